@@ -1,0 +1,158 @@
+"""Command line: parse options, call library functions.  Run `python cli.py --help`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from extract.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Extract-then-query warehouse for the isotropy of transformer language models.")
+
+WAREHOUSE = typer.Option(Path("warehouse"), "--warehouse", "-w", help="Warehouse directory.")
+
+
+def fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def extract(
+    model: str = typer.Option(..., "--model", "-m", help="Pythia alias (pythia-70m … pythia-12b[-deduped]), 'minilm', a local directory or a hub id."),
+    checkpoint: Optional[List[str]] = typer.Option(None, "--checkpoint", "-c", help="Revision(s), e.g. step143000 (repeatable). Default: the final weights ('main')."),
+    checkpoints: Optional[int] = typer.Option(None, "--checkpoints", help="COUNT evenly spaced Pythia steps (21 = the paper's)."),
+    source: Optional[List[str]] = typer.Option(None, "--source", "-s", help="NAME=PATH (.txt, .jsonl, .jsonl.zst, .json.gz, .parquet); repeatable."),
+    warehouse: Path = WAREHOUSE,
+    unit: str = typer.Option("document", help="document | sentence (the paper's unit; pysbd splits)."),
+    max_length: Optional[int] = typer.Option(None, help="Tokens per window (default: the model's context)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Stop each source after N tokens."),
+    batch_size: int = typer.Option(8, help="Windows per forward pass."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: bfloat16 on cuda, float32 on cpu)."),
+    shard: str = typer.Option("1/1", help="I/N: process a deterministic 1/N of each source's documents."),
+    pile_set: Optional[str] = typer.Option(None, help="Keep only Pile documents with this meta.pile_set_name."),
+    vector_dtype: str = typer.Option("float32", help="Storage of per-token sum vectors: float32 | float64 (exact merges, 2x bytes) | float16 (half the bytes)."),
+    params_only: bool = typer.Option(False, "--params-only", help="Write only the parameter tables (no data)."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub (off by default)."),
+):
+    """Run a model over text sources and store mergeable sums.
+
+    Example: python cli.py extract --model pythia-70m --checkpoint step143000 --source enron=enron.jsonl.zst --unit sentence
+    """
+    import torch
+
+    from extract.models import DTYPES, paper_checkpoints, resolve_model
+    from extract.run import Settings, extract as run_extract, summary_line
+    from extract.sources import parse_shard, parse_source
+
+    try:
+        if unit not in ("document", "sentence"):
+            raise UserError(f"--unit {unit!r}: expected document or sentence")
+        if vector_dtype not in ("float32", "float64", "float16"):
+            raise UserError(f"--vector-dtype {vector_dtype!r}: expected float32, float64 or float16")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise UserError(f"--device {device!r}: expected cpu or cuda")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError("--device cuda: no CUDA device is available")
+        dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+        if dtype not in DTYPES:
+            raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        for name, value in (("--batch-size", batch_size), ("--max-length", max_length), ("--max-tokens", max_tokens)):
+            if value is not None and value < 1:
+                raise UserError(f"{name} must be at least 1")
+        if not source and not params_only:
+            raise UserError("give at least one --source NAME=PATH (or --params-only)")
+        sources = [parse_source(s, pile_set) for s in source or []]
+        if len({s.name for s in sources}) != len(sources):
+            raise UserError("--source names must be distinct")
+        revs = list(checkpoint or [])
+        if checkpoints:
+            revs += paper_checkpoints(checkpoints)
+        revs = revs or ["main"]
+        settings = Settings(unit=unit, max_length=max_length, max_tokens=max_tokens, batch_size=batch_size,
+                            device=device, dtype=dtype, shard=parse_shard(shard), vector_dtype=vector_dtype,
+                            trust_remote_code=trust_remote_code, params_only=params_only)
+        ref = resolve_model(model)
+        start = time.perf_counter()
+        results = run_extract(ref, revs, sources, warehouse, settings, log=lambda m: typer.echo(m, err=True))
+        typer.echo(summary_line(results, time.perf_counter() - start) + f"; warehouse: {warehouse}", err=True)
+    except UserError as e:
+        fail(str(e))
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+@app.command()
+def sql(
+    query: str = typer.Argument(..., help="SQL over the views (inter_sim, intra_sim, avg_intra_sim, isotropy, layernorm, …)."),
+    warehouse: Path = WAREHOUSE,
+    format: str = typer.Option("table", "--format", "-f", help="table | csv | json"),
+):
+    """Query the warehouse with DuckDB.
+
+    Example: python cli.py sql "SELECT layer, inter_sim FROM inter_sim ORDER BY layer" --format csv
+    """
+    import duckdb
+
+    from warehouse.query import connect
+
+    if format not in ("table", "csv", "json"):
+        fail(f"--format {format!r}: expected table, csv or json")
+    try:
+        con = connect(warehouse)
+        cur = con.execute(query)
+        if cur.description is None:
+            return
+        cols, rows = [d[0] for d in cur.description], cur.fetchall()
+    except UserError as e:
+        fail(str(e))
+    except duckdb.Error as e:
+        fail(" ".join(str(e).split()))
+    if format == "json":
+        typer.echo(json.dumps([{c: _clean(v) for c, v in zip(cols, r)} for r in rows], default=str))
+    elif format == "csv":
+        w = csv.writer(sys.stdout, lineterminator="\n")
+        w.writerow(cols)
+        w.writerows(rows)
+    else:
+        text = [[("NULL" if v is None else (f"{v:.6g}" if isinstance(v, float) else str(v))) for v in r] for r in rows]
+        widths = [max([len(c)] + [len(r[i]) for r in text]) for i, c in enumerate(cols)]
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+        typer.echo("  ".join("-" * w for w in widths))
+        for r in text:
+            typer.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+        typer.echo(f"({len(rows)} rows)", err=True)
+
+
+@app.command()
+def views(warehouse: Path = WAREHOUSE):
+    """Rewrite WAREHOUSE/views.sql, the DuckDB shell's init file (e.g. after moving the warehouse).
+
+    Example: python cli.py views --warehouse warehouse && duckdb -init warehouse/views.sql
+    """
+    from warehouse.query import write_views_file
+
+    try:
+        if not warehouse.is_dir():
+            raise UserError(f"{warehouse}: no such warehouse directory")
+        typer.echo(str(write_views_file(warehouse)))
+    except UserError as e:
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,1 @@
+"""Extraction: run a Hugging Face model over text and stream mergeable sums into the warehouse."""

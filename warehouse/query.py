@@ -1,0 +1,147 @@
+"""DuckDB views over the warehouse: base tables from the manifest, metrics from `queries/*.sql`.
+
+The base views (`token_sums`, `layer_sums`, `partition_fn`, `norm_params`, `vocab`, `runs`)
+read exactly the Parquet files that the manifest lists, so files of unfinished or replaced
+runs are never seen.  Each metric is one `.sql` file in `queries/` whose header says
+
+    -- <name>: <one line>
+    -- Formula: ...
+    -- Inputs: view, view, ...
+    -- Columns: col, col, ...
+
+and whose body is one SELECT; it becomes `CREATE VIEW <name> AS <body>`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+
+from extract.errors import UserError
+
+from . import schema, store
+
+QUERIES_DIR = Path(__file__).resolve().parent.parent / "queries"
+BASE_VIEWS = (*schema.TABLES, "runs")
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    path: Path
+    inputs: tuple[str, ...]
+    columns: tuple[str, ...]
+    body: str
+
+
+def _header(text: str, field: str, path: Path) -> str:
+    m = re.search(rf"^--\s*{field}:\s*(.*)$", text, re.MULTILINE)
+    if not m:
+        raise ValueError(f"{path}: header lacks '-- {field}:'")
+    return m.group(1).strip()
+
+
+def load_metrics(directory: Path = QUERIES_DIR) -> list[Metric]:
+    """The metric views, in an order where every view comes after its inputs."""
+    metrics = {}
+    for path in sorted(directory.glob("*.sql")):
+        text = path.read_text()
+        split = lambda s: tuple(x.strip() for x in s.split(",") if x.strip())  # noqa: E731
+        body = "\n".join(line for line in text.splitlines() if not line.startswith("--")).strip()
+        metrics[path.stem] = Metric(
+            path.stem, path, split(_header(text, "Inputs", path)),
+            split(_header(text, "Columns", path)), body.rstrip(";"),
+        )
+    ordered, done = [], set(BASE_VIEWS)
+    while len(ordered) < len(metrics):
+        ready = [m for m in metrics.values() if m.name not in done and set(m.inputs) <= done]
+        if not ready:
+            missing = {m.name: set(m.inputs) - done for m in metrics.values() if m.name not in done}
+            raise ValueError(f"queries/ has unknown or cyclic inputs: {missing}")
+        for m in ready:
+            ordered.append(m)
+            done.add(m.name)
+    return ordered
+
+
+def _sql_str(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def base_view_sql(root: Path, manifest: dict) -> list[str]:
+    root = Path(root).resolve()
+    statements = []
+    for table, arrow_schema in schema.TABLES.items():
+        files = sorted(
+            str(root / e["files"][table]) for e in manifest["entries"].values() if table in e["files"]
+        )
+        cols = ", ".join(f.name for f in arrow_schema)
+        if files:
+            file_list = "[" + ", ".join(_sql_str(f) for f in files) + "]"
+            src = f"SELECT {cols} FROM read_parquet({file_list}, hive_partitioning = false, union_by_name = true)"
+        else:
+            src = "SELECT " + ", ".join(
+                f"CAST(NULL AS {schema.duckdb_type(f.type)}) AS {f.name}" for f in arrow_schema
+            ) + " WHERE false"
+        statements.append(f"CREATE OR REPLACE VIEW {table} AS {src};")
+    runs = root / store.RUNS_FILE
+    if runs.exists():
+        statements.append(f"CREATE OR REPLACE VIEW runs AS SELECT * FROM read_parquet({_sql_str(str(runs))});")
+    else:
+        statements.append(
+            "CREATE OR REPLACE VIEW runs AS SELECT " + ", ".join(
+                f"CAST(NULL AS {schema.duckdb_type(f.type)}) AS {f.name}" for f in schema.RUNS
+            ) + " WHERE false;"
+        )
+    return statements
+
+
+def all_view_sql(root: Path, manifest: dict) -> list[str]:
+    return base_view_sql(root, manifest) + [
+        f"CREATE OR REPLACE VIEW {m.name} AS\n{m.body};" for m in load_metrics()
+    ]
+
+
+def write_views_file(root: Path, manifest: dict | None = None) -> Path:
+    """The init file for the DuckDB shell: `duckdb -init WAREHOUSE/views.sql`."""
+    root = Path(root)
+    manifest = manifest if manifest is not None else store.read_manifest(root)
+    text = (
+        "-- Views over this warehouse, regenerated at every commit (python cli.py views rewrites it).\n"
+        "-- Open with:  duckdb -init " + str(root.resolve() / store.VIEWS_FILE) + "\n"
+        + "\n".join(all_view_sql(root, manifest)) + "\n"
+    )
+    store.atomic_write_bytes(root / store.VIEWS_FILE, text.encode())
+    return root / store.VIEWS_FILE
+
+
+def connect(root: str | Path = "warehouse") -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with every view of the warehouse at `root`."""
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"{root}: no such warehouse directory")
+    manifest = store.read_manifest(root)
+    con = duckdb.connect()
+    for stmt in all_view_sql(root, manifest):
+        con.execute(stmt)
+    return con
+
+
+def sql(query: str, warehouse: str | Path = "warehouse"):
+    """Run `query` against the warehouse's views and return a Polars DataFrame.
+
+    Example: sql("SELECT * FROM inter_sim ORDER BY model, layer", "warehouse")
+    """
+    con = connect(warehouse)
+    try:
+        return con.sql(query).pl()
+    finally:
+        con.close()
+
+
+def view(name: str, warehouse: str | Path = "warehouse"):
+    """One view (e.g. "avg_intra_sim") as a Polars DataFrame."""
+    return sql(f"SELECT * FROM {name}", warehouse)

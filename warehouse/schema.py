@@ -1,0 +1,158 @@
+"""The one explicit schema of the warehouse.
+
+Every table stores *sums*, never means: rows of the same key from different shards,
+sources or machines merge by summation, and every division happens in `queries/`.
+
+Partition columns (model, checkpoint, source, shard) have fixed types (strings) and are
+stored both as Hive-style directory names (percent-encoded) and inside each file, so a
+file is self-describing; the views read them from the files (hive_partitioning = false).
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+# Partition columns, in directory order, per table.
+DATA_PARTITIONS = ("model", "checkpoint", "source", "shard")
+PARAM_PARTITIONS = ("model", "checkpoint")
+
+_KEY_DATA = [
+    pa.field("model", pa.string(), nullable=False),
+    pa.field("checkpoint", pa.string(), nullable=False),
+    pa.field("step", pa.int64()),  # NULL when the revision names no step
+    pa.field("source", pa.string(), nullable=False),
+    pa.field("shard", pa.string(), nullable=False),  # "I-of-N"
+]
+_KEY_PARAMS = [
+    pa.field("model", pa.string(), nullable=False),
+    pa.field("checkpoint", pa.string(), nullable=False),
+    pa.field("step", pa.int64()),
+]
+
+
+def vector_type(vector_dtype: str) -> pa.DataType:
+    """Per-token sum vectors: float32 by default; float64 for exact merges, float16 for half the bytes."""
+    return pa.list_({"float64": pa.float64(), "float32": pa.float32(), "float16": pa.float16()}[vector_dtype])
+
+
+# Per (model, checkpoint, source, shard, layer, token_id): n and Σû over that token's vectors.
+# sum_sq = ‖Σû‖² computed in float64 from the float64 accumulator, before `vec` is rounded.
+TOKEN_SUMS = pa.schema(
+    _KEY_DATA
+    + [
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("token_id", pa.int32(), nullable=False),
+        pa.field("n", pa.int64(), nullable=False),
+        pa.field("sum_sq", pa.float64(), nullable=False),
+        pa.field("vec", vector_type("float32"), nullable=False),
+    ]
+)
+
+# Per (model, checkpoint, source, shard, layer): totals over every counted token vector.
+# vec is Σû in float64; n_nonfinite / n_zero count the excluded NaN/inf and zero-norm vectors.
+LAYER_SUMS = pa.schema(
+    _KEY_DATA
+    + [
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("layer_kind", pa.string(), nullable=False),  # embedding | block | final_norm
+        pa.field("n_layers", pa.int16(), nullable=False),  # number of layer indices (L + 1 or L + 2)
+        pa.field("n", pa.int64(), nullable=False),
+        pa.field("sum_sq", pa.float64(), nullable=False),
+        pa.field("n_nonfinite", pa.int64(), nullable=False),
+        pa.field("n_zero", pa.int64(), nullable=False),
+        pa.field("vec", pa.list_(pa.float64()), nullable=False),
+    ]
+)
+
+# Per (model, checkpoint, matrix, centered, eigenvector): log Z(±c) for the eigenvectors c of WᵀW.
+# log_z_pos / log_z_neg: float64 log-sum-exp; z_eigh_sign: Z(c) with the sign torch.linalg.eigh
+# returned, computed in float32 as the authors' script does (may be +inf).
+PARTITION_FN = pa.schema(
+    _KEY_PARAMS
+    + [
+        pa.field("matrix", pa.string(), nullable=False),  # embedding | unembedding
+        pa.field("tied", pa.bool_(), nullable=False),
+        pa.field("centered", pa.bool_(), nullable=False),
+        pa.field("rows", pa.int64(), nullable=False),
+        pa.field("eig_index", pa.int32(), nullable=False),
+        pa.field("eigenvalue", pa.float64(), nullable=False),
+        pa.field("log_z_pos", pa.float64(), nullable=False),
+        pa.field("log_z_neg", pa.float64(), nullable=False),
+        pa.field("z_eigh_sign", pa.float64(), nullable=False),
+    ]
+)
+
+# Per (model, checkpoint, norm module, dimension): gain g and bias b (NULL for RMSNorm).
+NORM_PARAMS = pa.schema(
+    _KEY_PARAMS
+    + [
+        pa.field("module", pa.string(), nullable=False),
+        pa.field("norm_type", pa.string(), nullable=False),  # class name
+        pa.field("is_final", pa.bool_(), nullable=False),
+        pa.field("dim", pa.int32(), nullable=False),
+        pa.field("gain", pa.float64(), nullable=False),
+        pa.field("bias", pa.float64()),
+    ]
+)
+
+# Per (model, checkpoint, token_id): the token's text as the tokenizer writes it.
+VOCAB = pa.schema(
+    _KEY_PARAMS
+    + [
+        pa.field("token_id", pa.int32(), nullable=False),
+        pa.field("token", pa.string(), nullable=False),
+        pa.field("special", pa.bool_(), nullable=False),
+    ]
+)
+
+TABLES: dict[str, pa.Schema] = {
+    "token_sums": TOKEN_SUMS,
+    "layer_sums": LAYER_SUMS,
+    "partition_fn": PARTITION_FN,
+    "norm_params": NORM_PARAMS,
+    "vocab": VOCAB,
+}
+DATA_TABLES = ("token_sums", "layer_sums")
+PARAM_TABLES = ("partition_fn", "norm_params", "vocab")
+
+# Manifest entries, flattened into the `runs` view.
+RUNS = pa.schema(
+    [
+        pa.field("kind", pa.string()),  # data | params
+        pa.field("model", pa.string()),
+        pa.field("checkpoint", pa.string()),
+        pa.field("step", pa.int64()),
+        pa.field("source", pa.string()),
+        pa.field("shard", pa.string()),
+        pa.field("run_id", pa.string()),
+        pa.field("finished_at", pa.string()),
+        pa.field("hidden_size", pa.int64()),
+        pa.field("tokens", pa.int64()),
+        pa.field("documents", pa.int64()),
+        pa.field("skipped", pa.int64()),
+        pa.field("nonfinite", pa.int64()),
+        pa.field("git_hash", pa.string()),
+        pa.field("model_revision", pa.string()),
+        pa.field("source_fingerprint", pa.string()),
+        pa.field("settings", pa.string()),  # JSON
+        pa.field("provenance", pa.string()),  # JSON
+    ]
+)
+
+
+def duckdb_type(t: pa.DataType) -> str:
+    """DuckDB type name for an Arrow type of this schema (for empty views)."""
+    if pa.types.is_list(t):
+        return duckdb_type(t.value_type) + "[]"
+    return {
+        pa.string(): "VARCHAR",
+        pa.int16(): "SMALLINT",
+        pa.int32(): "INTEGER",
+        pa.int64(): "BIGINT",
+        pa.float16(): "FLOAT",
+        pa.float32(): "FLOAT",
+        pa.float64(): "DOUBLE",
+        pa.bool_(): "BOOLEAN",
+    }[t]
