@@ -19,14 +19,19 @@ from extract.architectures import get_module
 from extract.models import load, resolve_model
 
 
-def token_windows(tok, texts, content: int):
+def token_windows(tok, texts, content: int, max_tokens: int | None = None):
+    budget = max_tokens if max_tokens is not None else float("inf")
     for text in texts:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         for s in range(0, len(ids), content):
-            yield ids[s:s + content]
+            piece = ids[s:s + content][: int(min(budget, content))]
+            budget -= len(piece)
+            yield piece
+            if budget <= 0:
+                return
 
 
-def hidden_states(model_dir: str, texts: list[str], max_length: int):
+def hidden_states(model_dir: str, texts: list[str], max_length: int, max_tokens: int | None = None):
     """{layer: (list of token ids, (n, d) float64 array)} over every counted position."""
     loaded = load(resolve_model(model_dir), "main", torch.float32, "cpu")
     fam, model, tok = loaded.family, loaded.model.float(), loaded.tokenizer
@@ -40,7 +45,7 @@ def hidden_states(model_dir: str, texts: list[str], max_length: int):
     content = max_length - 2 if fam.special_tokens else max_length
     out = defaultdict(lambda: ([], []))
     with torch.no_grad():
-        for ids in token_windows(tok, texts, content):
+        for ids in token_windows(tok, texts, content, max_tokens):
             seq = [tok.cls_token_id, *ids, tok.sep_token_id] if fam.special_tokens else ids
             x = torch.tensor([seq])
             hs = base(input_ids=x, output_hidden_states=True).hidden_states

