@@ -42,6 +42,7 @@ def extract(
     pile_set: Optional[str] = typer.Option(None, help="Keep only Pile documents with this meta.pile_set_name."),
     vector_dtype: str = typer.Option("float32", help="Storage of per-token sum vectors: float32 | float64 (exact merges, 2x bytes) | float16 (half the bytes)."),
     params_only: bool = typer.Option(False, "--params-only", help="Write only the parameter tables (no data)."),
+    accumulator_device: Optional[str] = typer.Option(None, help="Where the float64 sums live (default: --device); 'cpu' frees GPU memory for big models."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub (off by default)."),
 ):
     """Run a model over text sources and store mergeable sums.
@@ -81,7 +82,8 @@ def extract(
         revs = revs or ["main"]
         settings = Settings(unit=unit, max_length=max_length, max_tokens=max_tokens, batch_size=batch_size,
                             device=device, dtype=dtype, shard=parse_shard(shard), vector_dtype=vector_dtype,
-                            trust_remote_code=trust_remote_code, params_only=params_only)
+                            trust_remote_code=trust_remote_code, params_only=params_only,
+                            accumulator_device=accumulator_device)
         ref = resolve_model(model)
         start = time.perf_counter()
         results = run_extract(ref, revs, sources, warehouse, settings, log=lambda m: typer.echo(m, err=True))

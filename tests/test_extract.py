@@ -47,8 +47,9 @@ def test_accumulation_does_not_drift_where_naive_float32_does():
     assert inter == pytest.approx(1.0, abs=1e-9)
 
 
-def test_nonfinite_and_zero_vectors_are_counted_and_excluded():
-    acc = TokenSums(n_layers=2, rows=5, d=3, device="cpu")
+@pytest.mark.parametrize("fold", [False, True])
+def test_nonfinite_and_zero_vectors_are_counted_and_excluded(fold):
+    acc = TokenSums(n_layers=2, rows=5, d=3, device="cpu", fold_partials=fold)
     ids = torch.tensor([[1, 1, 2, 3, 4]])
     acc.set_batch(ids, torch.tensor([[True, True, True, True, False]]))  # position 4: padding
     h = torch.tensor([[[1.0, 0, 0], [float("inf"), 0, 0], [0, float("nan"), 1], [0, 0, 0], [5, 5, 5]]])
@@ -56,6 +57,9 @@ def test_nonfinite_and_zero_vectors_are_counted_and_excluded():
     assert acc.nonfinite.tolist() == [0, 2] and acc.zero.tolist() == [0, 1]
     assert acc.counts[1].tolist() == [0, 1, 0, 0, 0]
     assert acc.sums[1, 1].tolist() == [1.0, 0.0, 0.0] and torch.isfinite(acc.sums).all()
+    acc.add(0, torch.tensor([[[3.0, 4, 0], [0, 3, 4], [1, 1, 1], [2, 0, 0], [1, 1, 1]]]))
+    assert acc.counts[0].tolist() == [0, 2, 1, 1, 0]
+    assert torch.allclose(acc.sums[0, 1], torch.tensor([0.6, 1.4, 0.8], dtype=torch.float64))
 
 
 def test_fp16_overflow_in_a_model_is_counted_per_layer(workdir, sources, model_factory):
