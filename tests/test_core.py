@@ -243,3 +243,21 @@ def test_cli_sql_formats_and_errors(core):
     assert code == 0 and out.splitlines()[:2] == ["layer", "0"]
     code, out, err = run_cli("sql", "SELEC oops", "-w", core["wh"])
     assert code != 0 and err.startswith("error: Parser Error") and len(err.strip().splitlines()) == 1
+
+
+def test_float16_vectors_cost_is_bounded(workdir, sources, model_factory, core):
+    """--vector-dtype float16 halves storage; merged Intra-Sim moves by < 1e-3, Inter-Sim not at all."""
+    wh = workdir / "fp16-wh"
+    path = core["paths"]["gpt_neox-tied"]
+    code, _, err = run_cli("extract", "--model", path, "--source", f"alpha={sources['alpha']}", "--source",
+                           f"beta={sources['beta']}", "--warehouse", wh, "--max-length", MAXLEN,
+                           "--vector-dtype", "float16")
+    assert code == 0, err
+    want = ref.intra_sim(core["states"]["gpt_neox-tied"]["all"])
+    got = {(r["layer"], r["token_id"]): r["intra_sim"] for r in rows(wh, "SELECT * FROM intra_sim")}
+    err16 = max(abs(got[k] - v) for k, v in want.items())
+    print(f"float16 vectors: max |Δ intra_sim| = {err16:.2e}")
+    assert 1e-7 < err16 < 1e-3  # visibly coarser than float32, still small
+    inter = {r["layer"]: r["inter_sim"] for r in rows(wh, "SELECT * FROM inter_sim")}
+    for layer, v in ref.inter_sim(core["states"]["gpt_neox-tied"]["all"]).items():
+        assert inter[layer] == pytest.approx(v, abs=1e-6)
