@@ -29,7 +29,7 @@ def fail(message: str) -> None:
 def extract(
     model: str = typer.Option(..., "--model", "-m", help="Pythia alias (pythia-70m … pythia-12b[-deduped]), 'minilm', a local directory or a hub id."),
     checkpoint: Optional[List[str]] = typer.Option(None, "--checkpoint", "-c", help="Revision(s), e.g. step143000 (repeatable). Default: the final weights ('main')."),
-    checkpoints: Optional[int] = typer.Option(None, "--checkpoints", help="COUNT evenly spaced Pythia steps (21 = the paper's)."),
+    checkpoints: Optional[str] = typer.Option(None, "--checkpoints", help="COUNT evenly spaced Pythia steps (21 = the paper's); for a local directory COUNT evenly spaced of its stepN sub-directories, or 'all'."),
     source: Optional[List[str]] = typer.Option(None, "--source", "-s", help="NAME=PATH (.txt, .jsonl, .jsonl.zst, .json.gz, .parquet); repeatable."),
     warehouse: Path = WAREHOUSE,
     unit: str = typer.Option("document", help="document | sentence (the paper's unit; pysbd splits)."),
@@ -43,6 +43,7 @@ def extract(
     vector_dtype: str = typer.Option("float32", help="Storage of per-token sum vectors: float32 | float64 (exact merges, 2x bytes) | float16 (half the bytes)."),
     params_only: bool = typer.Option(False, "--params-only", help="Write only the parameter tables (no data)."),
     accumulator_device: Optional[str] = typer.Option(None, help="Where the float64 sums live (default: --device); 'cpu' frees GPU memory for big models."),
+    skip_done: bool = typer.Option(False, "--skip-done", help="Keep runs already in the warehouse with the same settings and data (resume a sweep) instead of replacing them."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub (off by default)."),
 ):
     """Run a model over text sources and store mergeable sums.
@@ -51,7 +52,7 @@ def extract(
     """
     import torch
 
-    from extract.models import DTYPES, paper_checkpoints, resolve_model
+    from extract.models import DTYPES, resolve_model, select_checkpoints
     from extract.run import Settings, extract as run_extract, summary_line
     from extract.sources import parse_shard, parse_source
 
@@ -76,15 +77,15 @@ def extract(
         sources = [parse_source(s, pile_set) for s in source or []]
         if len({s.name for s in sources}) != len(sources):
             raise UserError("--source names must be distinct")
+        ref = resolve_model(model)
         revs = list(checkpoint or [])
         if checkpoints:
-            revs += paper_checkpoints(checkpoints)
+            revs += select_checkpoints(ref, checkpoints)
         revs = revs or ["main"]
         settings = Settings(unit=unit, max_length=max_length, max_tokens=max_tokens, batch_size=batch_size,
                             device=device, dtype=dtype, shard=parse_shard(shard), vector_dtype=vector_dtype,
                             trust_remote_code=trust_remote_code, params_only=params_only,
-                            accumulator_device=accumulator_device)
-        ref = resolve_model(model)
+                            accumulator_device=accumulator_device, skip_done=skip_done)
         start = time.perf_counter()
         results = run_extract(ref, revs, sources, warehouse, settings, log=lambda m: typer.echo(m, err=True))
         typer.echo(summary_line(results, time.perf_counter() - start) + f"; warehouse: {warehouse}", err=True)
@@ -154,6 +155,92 @@ def views(warehouse: Path = WAREHOUSE):
         typer.echo(str(write_views_file(warehouse)))
     except UserError as e:
         fail(str(e))
+
+
+@app.command()
+def train(
+    source: str = typer.Option("stdlib-docs", "--source", "-s", help="NAME=PATH or a built-in source (stdlib-docs)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for out/stepN checkpoints."),
+    tied: bool = typer.Option(False, "--tied/--untied", help="Tie the embedding and unembedding matrices."),
+    width: int = typer.Option(128, help="Hidden size."),
+    depth: int = typer.Option(4, help="Number of blocks."),
+    heads: int = typer.Option(4, help="Attention heads."),
+    context: int = typer.Option(128, help="Training sequence length (and the model's context)."),
+    vocab: int = typer.Option(4096, help="BPE vocabulary size (tokenizer trained on the source)."),
+    steps: int = typer.Option(600, help="Optimizer steps."),
+    save_every: int = typer.Option(60, help="Save a checkpoint every N steps (and at 0 and the end)."),
+    batch_size: int = typer.Option(16, help="Sequences per step."),
+    lr: float = typer.Option(3e-3, help="Peak learning rate (warm-up, then cosine to 10 %)."),
+    seed: int = typer.Option(0, help="Seed for initialisation and batches."),
+):
+    """Train a micro Pythia-style GPT-NeoX on a source, saving checkpoints step0 … stepN for `extract`.
+
+    Example: python cli.py train --source stdlib-docs --out micro/untied --untied --steps 600 --save-every 60
+    """
+    from extract.sources import fingerprint, parse_source
+    from extract.train import TrainSettings, train as run_train
+
+    try:
+        src = parse_source(source)
+        settings = TrainSettings(tied=tied, width=width, depth=depth, heads=heads, context=context, vocab=vocab,
+                                 steps=steps, save_every=save_every, batch_size=batch_size, lr=lr, seed=seed)
+        run_train(src, out, settings, fingerprint(src), log=lambda m: typer.echo(m, err=True))
+    except UserError as e:
+        fail(str(e))
+
+
+@app.command()
+def demo(
+    directory: Path = typer.Option(Path("demo"), "--dir", "-d", help="Where models, warehouse and report go."),
+    steps: int = typer.Option(600, help="Training steps of each micro model."),
+    save_every: int = typer.Option(60, help="Checkpoint interval of the micro models."),
+    max_tokens: int = typer.Option(100_000, help="Tokens extracted per checkpoint."),
+    force: bool = typer.Option(False, "--force", help="Retrain and re-extract even when done before."),
+):
+    """The whole job offline: train tied/untied micro models, extract them and MiniLM, draw the report.
+
+    Example: python cli.py demo --dir demo
+    """
+    from extract.demo import DemoSettings, run_demo
+
+    try:
+        result = run_demo(directory, DemoSettings(steps=steps, save_every=save_every, max_tokens=max_tokens,
+                                                  force=force), log=lambda m: typer.echo(m, err=True))
+    except UserError as e:
+        fail(str(e))
+    t = result["timings"]
+    views = result["warehouse"] / "views.sql"
+    typer.echo(f"\ndemo finished in {t['total']:.0f} s (train {t['train']:.0f} s, extract {t['extract']:.0f} s, "
+               f"report {t['report']:.0f} s)")
+    typer.echo(f"warehouse: {result['warehouse']}")
+    typer.echo(f"report:    {result['report']}  ({result['drawn']} of {result['figures']} figures)")
+    for f in result["missing"]:
+        typer.echo(f"  not drawn: {f.title}: {f.missing}")
+    typer.echo("try in the DuckDB shell:")
+    for q in result["queries"]:
+        typer.echo(f'  duckdb -init {views} -c "{q}"')
+
+
+@app.command()
+def report(
+    warehouse: Path = WAREHOUSE,
+    out: Path = typer.Option(Path("reports"), "--out", "-o", help="Output directory."),
+    model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="Only these models (repeatable)."),
+    checkpoint: Optional[List[str]] = typer.Option(None, "--checkpoint", "-c", help="Only these checkpoints (repeatable)."),
+):
+    """Draw the paper's figures (and more) from the warehouse: index.html, PNG, SVG and CSV per chart.
+
+    Example: python cli.py report --warehouse warehouse --out reports && chromium reports/index.html
+    """
+    from warehouse.report import build_report
+
+    try:
+        result = build_report(warehouse, out, model, checkpoint)
+    except UserError as e:
+        fail(str(e))
+    for f in result.missing:
+        typer.echo(f"not drawn: {f.title}: {f.missing}", err=True)
+    typer.echo(f"{len(result.drawn)} of {len(result.figures)} figures drawn: {out / 'index.html'}", err=True)
 
 
 if __name__ == "__main__":

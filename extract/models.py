@@ -66,6 +66,31 @@ def paper_checkpoints(count: int, last_step: int = 143_000) -> list[str]:
     return ["step0"] + [f"step{(i * k) // (count - 1) * 1000}" for i in range(1, count)]
 
 
+def local_checkpoints(ref: ModelRef) -> list[str]:
+    """The stepN sub-directories of a local model, by step."""
+    if not ref.local:
+        return []
+    found = [p.name for p in Path(ref.location).iterdir() if p.is_dir() and re.fullmatch(r"step\d+", p.name)]
+    return sorted(found, key=lambda name: int(name[4:]))
+
+
+def select_checkpoints(ref: ModelRef, spec: str) -> list[str]:
+    """--checkpoints: 'all' local stepN directories, or COUNT evenly spaced (Pythia's steps for hub models)."""
+    local = local_checkpoints(ref)
+    if spec == "all":
+        if not local:
+            raise UserError(f"--checkpoints all: {ref.location} has no stepN sub-directories")
+        return local
+    if not spec.isdigit():
+        raise UserError(f"--checkpoints {spec!r}: expected a count or 'all'")
+    count = int(spec)
+    if not local:
+        return paper_checkpoints(count)
+    if count < 2 or count >= len(local):
+        return local if count >= len(local) else [local[-1]]
+    return [local[(i * (len(local) - 1)) // (count - 1)] for i in range(count)]
+
+
 def parse_step(revision: str) -> int | None:
     m = re.search(r"step(\d+)$", revision)
     return int(m.group(1)) if m else None

@@ -48,6 +48,11 @@ class Settings:
     trust_remote_code: bool = False
     params_only: bool = False
     accumulator_device: str | None = None
+    skip_done: bool = False  # keep finished (checkpoint, source, shard) runs with the same settings
+
+
+# Settings that change a run's numbers: a finished run with the same ones can be kept (--skip-done).
+RESULT_SETTINGS = ("unit", "max_length", "max_tokens", "dtype", "shard", "vector_dtype", "pile_set")
 
 
 @dataclass
@@ -284,6 +289,7 @@ def _entry(kind: str, loaded: Loaded, run_id: str, files: dict, settings: Settin
     shard = f"{settings.shard[0]}-of-{settings.shard[1]}" if source else None
     s = asdict(settings)
     s["shard"] = shard
+    s["pile_set"] = source.pile_set if source else None
     return {
         "key": store.entry_key(kind, loaded.ref.name, loaded.checkpoint, source and source.name, shard),
         "kind": kind, "model": loaded.ref.name, "checkpoint": loaded.checkpoint, "step": loaded.step,
@@ -295,16 +301,36 @@ def _entry(kind: str, loaded: Loaded, run_id: str, files: dict, settings: Settin
     }
 
 
+def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settings: Settings,
+          source_fingerprint: str) -> bool:
+    shard = f"{settings.shard[0]}-of-{settings.shard[1]}"
+    entry = manifest["entries"].get(store.entry_key("data", ref.name, checkpoint, source.name, shard))
+    if entry is None or entry["provenance"].get("source_fingerprint") != source_fingerprint:
+        return False
+    if entry["provenance"].get("model_location") != ref.location:
+        return False
+    want = {**asdict(settings), "shard": shard, "pile_set": source.pile_set}
+    return all(entry["settings"].get(k) == want[k] for k in RESULT_SETTINGS)
+
+
 def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: Path,
             settings: Settings, log=print) -> list[SourceResult]:
     root = Path(root)
     dtype = DTYPES[settings.dtype]
     check_dtype(dtype, settings.device)
     store.read_manifest(root)  # fails early on a warehouse of another schema version
-    prints = {s.name: fingerprint(s.path) for s in sources}
+    prints = {s.name: fingerprint(s) for s in sources}
     results: list[SourceResult] = []
     base_prov = {"git_hash": git_hash(), "packages": package_versions(), "model_location": ref.location}
     for checkpoint in checkpoints:
+        todo = list(sources)
+        if settings.skip_done:
+            manifest = store.read_manifest(root)
+            todo = [s for s in sources if not _done(manifest, ref, checkpoint, s, settings, prints[s.name])]
+            params_key = store.entry_key("params", ref.name, checkpoint)
+            if not todo and params_key in manifest["entries"]:
+                log(f"{ref.name}@{checkpoint}: already in the warehouse with these settings; skipped")
+                continue
         loaded = load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code)
         if settings.max_length is not None and settings.max_length > loaded.context:
             raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
@@ -318,11 +344,11 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: 
             written += params_files.values()
             loaded.model.to(device=settings.device, dtype=dtype)
             entries = [_entry("params", loaded, run_id, params_files, settings, d, prov=prov)]
-            for source in ([] if settings.params_only else sources):
+            for source in ([] if settings.params_only else todo):
                 result = SourceResult(source.name)
                 acc = accumulate_source(loaded, source, settings, result)
                 if result.tokens == 0:
-                    raise UserError(f"--source {source.name}: {source.path}: no tokens to process "
+                    raise UserError(f"--source {source.name}: {source.describe()}: no tokens to process "
                                     f"({result.documents} documents after filters)")
                 files = write_sums(root, loaded, source, settings, acc, run_id)
                 written += files.values()
@@ -330,7 +356,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: 
                 result.files = files
                 entries.append(_entry("data", loaded, run_id, files, settings, d, source, result,
                                       {**prov, "source_fingerprint": prints[source.name],
-                                       "source_path": str(source.path.resolve())}))
+                                       "source_path": source.describe() if source.builtin else str(source.path.resolve())}))
                 results.append(result)
                 if result.replaced_lines:
                     log(f"warning: {source.name}: {result.replaced_lines} lines had bytes that are not UTF-8 (replaced with U+FFFD)")
@@ -344,7 +370,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: 
             raise
         finally:
             del loaded
-        for r in results[-len(sources):] if not settings.params_only else []:
+        for r in results[-len(todo):] if todo and not settings.params_only else []:
             log(f"{ref.name}@{checkpoint} {r.source}: {r.tokens} tokens, {r.documents} documents, "
                 f"{r.skipped} skipped, {r.windows} windows, {r.nonfinite} non-finite, "
                 f"{r.seconds:.1f} s ({r.tokens / max(r.seconds, 1e-9):.0f} tok/s)")

@@ -3,10 +3,14 @@
 Formats: `.txt` (one document per non-empty line), `.jsonl` / `.jsonl.zst` / `.json.gz` in the
 Pile's format (`{"text": ..., "meta": {"pile_set_name": ...}}`), `.parquet` with a `text`
 column.  Bytes that are not UTF-8 are replaced (U+FFFD) and the lines counted.
+
+Built-in sources need no file: `stdlib-docs` is every docstring (module, class, function) of
+the running Python's standard library, read at run time, one document each.
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import io
@@ -25,8 +29,40 @@ FORMATS = (".jsonl.zst", ".jsonl", ".json.gz", ".txt", ".parquet")
 @dataclass
 class Source:
     name: str
-    path: Path
+    path: Path | None  # None for a built-in source
     pile_set: str | None = None
+
+    @property
+    def builtin(self) -> bool:
+        return self.path is None
+
+    def describe(self) -> str:
+        return f"built-in {self.name}" if self.builtin else str(self.path)
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_docstrings() -> tuple[str, ...]:
+    """Docstrings of the installed standard library, in a fixed order (sorted files, AST order)."""
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+    docs = []
+    for path in sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)):
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and doc.strip():
+                    docs.append(doc.strip())
+    return tuple(docs)
+
+
+BUILTIN = {"stdlib-docs": stdlib_docstrings}
 
 
 @dataclass
@@ -37,8 +73,10 @@ class ReadStats:
 
 
 def parse_source(spec: str, pile_set: str | None = None) -> Source:
+    if spec in BUILTIN:
+        return Source(spec, None, pile_set)
     if "=" not in spec:
-        raise UserError(f"--source {spec!r}: expected NAME=PATH")
+        raise UserError(f"--source {spec!r}: expected NAME=PATH or a built-in source ({', '.join(BUILTIN)})")
     name, path = spec.split("=", 1)
     if not NAME_RE.match(name) or name == "all":
         raise UserError(
@@ -58,10 +96,15 @@ def parse_source(spec: str, pile_set: str | None = None) -> Source:
     return Source(name, p, pile_set)
 
 
-def fingerprint(path: Path) -> str:
-    """blake2b of the file's bytes (the data fingerprint recorded with each run)."""
+def fingerprint(source: Source) -> str:
+    """blake2b of the file's bytes, or of a built-in source's documents (recorded with each run)."""
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
+    if source.builtin:
+        for doc in BUILTIN[source.name]():
+            h.update(doc.encode())
+            h.update(b"\0")
+        return h.hexdigest()
+    with open(source.path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -98,6 +141,9 @@ def _binary_lines(path: Path) -> Iterator[bytes]:
 
 
 def _raw_documents(source: Source, stats: ReadStats) -> Iterator[str]:
+    if source.builtin:
+        yield from BUILTIN[source.name]()
+        return
     path = source.path
     name = str(path)
     if name.endswith(".parquet"):

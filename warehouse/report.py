@@ -1,0 +1,483 @@
+"""The report: the paper's Figures 1-9 (and more) drawn from the warehouse's views, offline.
+
+`build_report()` queries the views, draws each figure with Altair when the warehouse holds
+the data it needs (otherwise it records a one-line note saying why not), and writes under
+`out/`: `index.html` (Vega, Vega-Lite and vega-embed inlined: no network needed), and per
+figure `<id>.png`, `<id>.svg` and `<id>.csv` (the exact rows the chart draws).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import altair as alt
+import polars as pl
+
+from . import store
+from .query import connect
+
+# Okabe & Ito's colour-blind-safe palette (black last).
+PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"]
+WIDTH, HEIGHT = 380, 250
+TOKENS_SHOWN = 15
+TOKENS_MIN_N = 5
+
+
+@dataclass
+class Figure:
+    id: str
+    title: str
+    caption: str
+    chart: alt.TopLevelMixin | None = None
+    data: pl.DataFrame | None = None
+    missing: str | None = None  # why it was not drawn
+    table_html: str | None = None  # for tabular "figures"
+
+
+@dataclass
+class Report:
+    out: Path
+    figures: list[Figure] = field(default_factory=list)
+
+    @property
+    def drawn(self) -> list[Figure]:
+        return [f for f in self.figures if f.missing is None]
+
+    @property
+    def missing(self) -> list[Figure]:
+        return [f for f in self.figures if f.missing is not None]
+
+
+# ---------------------------------------------------------------- data
+
+
+class Data:
+    """The views, restricted to --model / --checkpoint, as Polars frames."""
+
+    def __init__(self, warehouse: Path, models: list[str] | None, checkpoints: list[str] | None):
+        self.con = connect(warehouse)
+        self.models, self.checkpoints = models or [], checkpoints or []
+
+    def where(self, extra: str = "") -> str:
+        conds = []
+        if self.models:
+            conds.append("model IN (" + ", ".join(_lit(m) for m in self.models) + ")")
+        if self.checkpoints:
+            conds.append("checkpoint IN (" + ", ".join(_lit(c) for c in self.checkpoints) + ")")
+        if extra:
+            conds.append(extra)
+        return (" WHERE " + " AND ".join(conds)) if conds else ""
+
+    def q(self, sql: str) -> pl.DataFrame:
+        return self.con.sql(sql).pl()
+
+    def view(self, name: str, extra: str = "", order: str = "") -> pl.DataFrame:
+        return self.q(f"SELECT * FROM {name}{self.where(extra)}" + (f" ORDER BY {order}" if order else ""))
+
+    def final(self, name: str, extra: str = "", order: str = "") -> pl.DataFrame:
+        """Rows of each model's final checkpoint: 'main' if present, else the largest step."""
+        return self.q(
+            f"WITH v AS (SELECT * FROM {name}{self.where(extra)}), "
+            "f AS (SELECT model, arg_max(checkpoint, coalesce(step, 9223372036854775807)) AS checkpoint "
+            "FROM (SELECT DISTINCT model, checkpoint, step FROM v) GROUP BY model) "
+            "SELECT v.* FROM v JOIN f USING (model, checkpoint)" + (f" ORDER BY {order}" if order else "")
+        )
+
+    def training(self, name: str, extra: str = "", order: str = "") -> pl.DataFrame:
+        """Rows of models that have at least two checkpoints with a step."""
+        return self.q(
+            f"WITH v AS (SELECT * FROM {name}{self.where(extra)}), "
+            "m AS (SELECT model FROM v WHERE step IS NOT NULL GROUP BY model HAVING count(DISTINCT step) >= 2) "
+            "SELECT v.* FROM v JOIN m USING (model) WHERE v.step IS NOT NULL" + (f" ORDER BY {order}" if order else "")
+        )
+
+
+def _lit(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+# ---------------------------------------------------------------- chart helpers
+
+
+def _color(field_: str = "model", title: str = "Model"):
+    return alt.Color(f"{field_}:N", title=title, scale=alt.Scale(range=PALETTE))
+
+
+def _tooltip(*fields: str) -> list:
+    return [alt.Tooltip(f) for f in fields]
+
+
+def _line(df: pl.DataFrame, x: str, x_title: str, y: str, y_title: str, tooltip: list[str], color: str = "model",
+          color_title: str = "Model", dash: str | None = None, dash_title: str | None = None, x_type: str = "Q"):
+    enc = dict(
+        x=alt.X(f"{x}:{x_type}", title=x_title),
+        y=alt.Y(f"{y}:Q", title=y_title, scale=alt.Scale(zero=False)),
+        color=_color(color, color_title),
+        tooltip=_tooltip(*tooltip),
+    )
+    if dash:
+        enc["strokeDash"] = alt.StrokeDash(f"{dash}:N", title=dash_title)
+    return alt.Chart(df).mark_line(point=True).encode(**enc).properties(width=WIDTH, height=HEIGHT)
+
+
+def _last_layer(df: pl.DataFrame) -> pl.DataFrame:
+    """Rows of each (model, checkpoint)'s last layer (the final norm where there is one)."""
+    return df.filter(pl.col("layer") == pl.col("layer").max().over(["model", "checkpoint"]))
+
+
+def _centered_label(df: pl.DataFrame) -> pl.DataFrame:
+    return df.with_columns(
+        pl.when(pl.col("centered")).then(pl.lit("Ŵ (mean-centred)")).otherwise(pl.lit("W (raw)")).alias("variant")
+    )
+
+
+# ---------------------------------------------------------------- figures
+
+
+def fig_inter_sim_layers(d: Data) -> Figure:
+    f = Figure("fig1_inter_sim_by_layer", "Figure 1. Inter-Sim per layer",
+               "Mean cosine similarity between all token vectors of a layer (final checkpoint of each model), "
+               "against the layer index and against relative depth (0 = embedding, 1 = last layer).")
+    df = d.final("inter_sim", order="model, layer")
+    if df.is_empty():
+        f.missing = "no token data in the warehouse (run `extract` with a --source)"
+        return f
+    depth = d.q("SELECT DISTINCT model, checkpoint, n_layers FROM layer_norms")
+    df = df.join(depth, on=["model", "checkpoint"]).with_columns(
+        (pl.col("layer") / (pl.col("n_layers") - 1)).alias("relative_depth")).drop("n_layers")
+    tips = ["model", "checkpoint", "layer", "relative_depth", "n", "inter_sim"]
+    a = _line(df, "layer", "Layer index (0 = embedding)", "inter_sim", "Inter-Sim (mean cosine)", tips)
+    b = _line(df, "relative_depth", "Relative depth (0 = embedding, 1 = last layer)", "inter_sim",
+              "Inter-Sim (mean cosine)", tips)
+    f.chart, f.data = alt.hconcat(a, b), df
+    return f
+
+
+def fig_avg_intra_layers(d: Data) -> Figure:
+    f = Figure("fig2_avg_intra_sim_by_layer", "Figure 2. Average Intra-Sim per layer",
+               "Unweighted mean over token types (n ≥ 2) of the mean cosine between occurrences of the same "
+               "token (final checkpoint of each model).")
+    df = d.final("avg_intra_sim", order="model, layer")
+    if df.is_empty():
+        f.missing = "no token type occurs twice in the warehouse's data"
+        return f
+    f.chart = _line(df, "layer", "Layer index (0 = embedding)", "avg_intra_sim", "Average Intra-Sim (mean cosine)",
+                    ["model", "checkpoint", "layer", "tokens", "avg_intra_sim"])
+    f.data = df
+    return f
+
+
+def _training_missing(name: str) -> str:
+    return f"needs a model with at least two checkpoints that have a step (stepN) in {name}"
+
+
+def fig_inter_sim_training(d: Data) -> Figure:
+    f = Figure("fig3_inter_sim_training", "Figure 3. Inter-Sim of the last layer during training",
+               "Inter-Sim of each model's last layer (the final norm where there is one) at each checkpoint.")
+    df = d.training("inter_sim", order="model, step, layer")
+    if df.is_empty():
+        f.missing = _training_missing("inter_sim")
+        return f
+    df = _last_layer(df)
+    f.chart = _line(df, "step", "Training step", "inter_sim", "Inter-Sim (mean cosine)",
+                    ["model", "checkpoint", "step", "layer", "n", "inter_sim"])
+    f.data = df
+    return f
+
+
+def fig_avg_intra_training(d: Data) -> Figure:
+    f = Figure("fig4_avg_intra_sim_training", "Figure 4. Average Intra-Sim of the last layer during training",
+               "Average Intra-Sim of each model's last layer at each checkpoint.")
+    df = d.training("avg_intra_sim", order="model, step, layer")
+    if df.is_empty():
+        f.missing = _training_missing("avg_intra_sim")
+        return f
+    df = _last_layer(df)
+    f.chart = _line(df, "step", "Training step", "avg_intra_sim", "Average Intra-Sim (mean cosine)",
+                    ["model", "checkpoint", "step", "layer", "tokens", "avg_intra_sim"])
+    f.data = df
+    return f
+
+
+def _iso_bars(df: pl.DataFrame, matrix: str):
+    df = _centered_label(df)
+    return alt.Chart(df).mark_bar().encode(
+        x=alt.X("model:N", title="Model", axis=alt.Axis(labelAngle=-30)),
+        xOffset=alt.XOffset("variant:N"),
+        y=alt.Y("i_w:Q", title=f"I(W) of the {matrix} (min Z / max Z)", scale=alt.Scale(domain=[0, 1])),
+        color=alt.Color("variant:N", title="Matrix", scale=alt.Scale(range=PALETTE)),
+        tooltip=_tooltip("model", "checkpoint", "matrix", "centered", "i_w", "i_w_eigh_signs"),
+    ).properties(width=WIDTH, height=HEIGHT)
+
+
+def fig_isotropy(d: Data, matrix: str, number: int) -> Figure:
+    f = Figure(f"fig{number}_isotropy_{matrix}", f"Figure {number}. I(W) of the {matrix} matrix",
+               f"Partition-function isotropy I(W) = min Z(c) / max Z(c) over ± eigenvectors c of WᵀW, for the raw "
+               f"{matrix} matrix W and the mean-centred Ŵ (final checkpoint of each model; 1 = isotropic).")
+    df = d.final("isotropy", _lit(matrix).join(["matrix = ", ""]), order="model, centered")
+    if df.is_empty():
+        f.missing = f"no {matrix} matrix parameters in the warehouse"
+        return f
+    f.chart, f.data = _iso_bars(df, matrix), df
+    return f
+
+
+def fig_isotropy_training(d: Data) -> Figure:
+    f = Figure("fig7_isotropy_training", "Figure 7. I(W) of the unembedding during training",
+               "I(W) of the raw (solid) and mean-centred (dashed) unembedding matrix at each checkpoint.")
+    df = d.training("isotropy", "matrix = 'unembedding'", order="model, step, centered")
+    if df.is_empty():
+        f.missing = _training_missing("isotropy")
+        return f
+    df = _centered_label(df)
+    f.chart = _line(df, "step", "Training step", "i_w", "I(W) of the unembedding (min Z / max Z)",
+                    ["model", "checkpoint", "step", "variant", "i_w", "i_w_eigh_signs"], dash="variant",
+                    dash_title="Matrix")
+    f.data = df
+    return f
+
+
+def _norm_long(df: pl.DataFrame) -> pl.DataFrame:
+    return df.unpivot(index=["model", "checkpoint", "step", "module"], on=["avgnorm_g", "avgnorm_b"],
+                      variable_name="parameter", value_name="avgnorm").with_columns(
+        pl.col("parameter").replace({"avgnorm_g": "g (gain)", "avgnorm_b": "b (bias)"}))
+
+
+def fig_layernorm(d: Data) -> Figure:
+    f = Figure("fig8_final_layernorm", "Figure 8. The final LayerNorm's parameters",
+               "avgnorm(v) = ‖v‖/√d of the final norm's gain g and bias b, and the ratio ‖b‖/‖g‖ "
+               "(final checkpoint of each model).")
+    df = d.final("layernorm", "is_final AND avgnorm_b IS NOT NULL", order="model")
+    if df.is_empty():
+        f.missing = "no model with a final LayerNorm that has a bias (encoders and RMSNorm models have none)"
+        return f
+    long = _norm_long(df)
+    bars = alt.Chart(long).mark_bar().encode(
+        x=alt.X("model:N", title="Model", axis=alt.Axis(labelAngle=-30)), xOffset="parameter:N",
+        y=alt.Y("avgnorm:Q", title="avgnorm = ‖v‖/√d"),
+        color=alt.Color("parameter:N", title="Parameter", scale=alt.Scale(range=PALETTE)),
+        tooltip=_tooltip("model", "checkpoint", "module", "parameter", "avgnorm"),
+    ).properties(width=WIDTH, height=HEIGHT)
+    ratio = alt.Chart(df).mark_bar(color=PALETTE[2]).encode(
+        x=alt.X("model:N", title="Model", axis=alt.Axis(labelAngle=-30)),
+        y=alt.Y("b_g_ratio:Q", title="‖b‖ / ‖g‖"),
+        tooltip=_tooltip("model", "checkpoint", "b_g_ratio", "sum_b_over_g", "b_parallel_norm", "b_perp_norm"),
+    ).properties(width=WIDTH * 0.6, height=HEIGHT)
+    f.chart, f.data = alt.hconcat(bars, ratio), df
+    return f
+
+
+def fig_layernorm_training(d: Data) -> Figure:
+    f = Figure("fig9_final_layernorm_training", "Figure 9. The final LayerNorm's parameters during training",
+               "avgnorm of the final norm's gain g (solid) and bias b (dashed), and ‖b‖/‖g‖, at each checkpoint.")
+    df = d.training("layernorm", "is_final AND avgnorm_b IS NOT NULL", order="model, step")
+    if df.is_empty():
+        f.missing = _training_missing("layernorm") + " and a final LayerNorm with a bias"
+        return f
+    a = _line(_norm_long(df), "step", "Training step", "avgnorm", "avgnorm = ‖v‖/√d",
+              ["model", "checkpoint", "step", "parameter", "avgnorm"], dash="parameter", dash_title="Parameter")
+    b = _line(df, "step", "Training step", "b_g_ratio", "‖b‖ / ‖g‖",
+              ["model", "checkpoint", "step", "b_g_ratio", "sum_b_over_g"])
+    f.chart, f.data = alt.hconcat(a, b), df
+    return f
+
+
+def fig_heatmap(d: Data) -> Figure:
+    f = Figure("fig10_inter_sim_heatmap", "Inter-Sim per layer and training step",
+               "Inter-Sim of every layer (rows) at every checkpoint (columns), one panel per model.")
+    df = d.training("inter_sim", order="model, step, layer")
+    if df.is_empty():
+        f.missing = _training_missing("inter_sim")
+        return f
+    f.chart = alt.Chart(df).mark_rect().encode(
+        x=alt.X("step:O", title="Training step"),
+        y=alt.Y("layer:O", title="Layer index (0 = embedding)", sort="descending"),
+        color=alt.Color("inter_sim:Q", title="Inter-Sim", scale=alt.Scale(scheme="viridis")),
+        tooltip=_tooltip("model", "checkpoint", "step", "layer", "n", "inter_sim"),
+    ).properties(width=WIDTH * 0.8, height=HEIGHT * 0.8).facet(
+        column=alt.Column("model:N", title="Model")).resolve_scale(x="independent")
+    f.data = df
+    return f
+
+
+def fig_by_source(d: Data) -> Figure:
+    f = Figure("fig11_inter_sim_by_source", "Inter-Sim per layer, by text source",
+               "Inter-Sim per layer computed on each source separately (final checkpoint), one panel per model.")
+    df = d.final("inter_sim_by_source", order="model, source, layer")
+    if df.is_empty():
+        f.missing = "no token data in the warehouse"
+        return f
+    f.chart = alt.Chart(df).mark_line(point=True).encode(
+        x=alt.X("layer:Q", title="Layer index (0 = embedding)"),
+        y=alt.Y("inter_sim:Q", title="Inter-Sim (mean cosine)", scale=alt.Scale(zero=False)),
+        color=_color("source", "Source"),
+        tooltip=_tooltip("model", "checkpoint", "source", "layer", "n", "inter_sim"),
+    ).properties(width=WIDTH * 0.8, height=HEIGHT * 0.8).facet(column=alt.Column("model:N", title="Model"))
+    f.data = df
+    return f
+
+
+def fig_tokens(d: Data) -> Figure:
+    f = Figure("table1_contextualised_tokens", "Most and least contextualised tokens",
+               f"Tokens of each model's last layer (final checkpoint) with the lowest Intra-Sim (most "
+               f"contextualised) and the highest (least), among tokens seen at least {TOKENS_MIN_N} times.")
+    df = d.final("intra_sim", f"n >= {TOKENS_MIN_N}", order="model, intra_sim")
+    if df.is_empty():
+        f.missing = f"no token type occurs {TOKENS_MIN_N} times or more"
+        return f
+    df = _last_layer(df)
+    ranked = df.with_columns(pl.col("intra_sim").rank("ordinal").over("model").alias("rank_low"),
+                             pl.col("intra_sim").rank("ordinal", descending=True).over("model").alias("rank_high"))
+    most = ranked.filter(pl.col("rank_low") <= TOKENS_SHOWN).with_columns(pl.lit("most").alias("contextualised"))
+    least = ranked.filter(pl.col("rank_high") <= TOKENS_SHOWN).with_columns(pl.lit("least").alias("contextualised"))
+    out = pl.concat([most, least]).drop("rank_low", "rank_high").sort(["model", "contextualised", "intra_sim"])
+    f.data = out
+    parts = []
+    for (model,), group in out.group_by(["model"], maintain_order=True):
+        rows = "".join(
+            f"<tr><td>{html.escape(r['contextualised'])}</td><td><code>{html.escape(repr(r['token'] or ''))}</code></td>"
+            f"<td>{r['token_id']}</td><td>{r['n']}</td><td title='{r['intra_sim']!r}'>{r['intra_sim']:.4f}</td></tr>"
+            for r in group.iter_rows(named=True))
+        parts.append(f"<h3>{html.escape(model)} (layer {group['layer'][0]}, checkpoint "
+                     f"{html.escape(group['checkpoint'][0])})</h3><table><thead><tr><th>contextualised</th>"
+                     f"<th>token</th><th>id</th><th>n</th><th>Intra-Sim</th></tr></thead><tbody>{rows}</tbody></table>")
+    f.table_html = "".join(parts)
+    return f
+
+
+FIGURES = [
+    fig_inter_sim_layers, fig_avg_intra_layers, fig_inter_sim_training, fig_avg_intra_training,
+    lambda d: fig_isotropy(d, "unembedding", 5), lambda d: fig_isotropy(d, "embedding", 6),
+    fig_isotropy_training, fig_layernorm, fig_layernorm_training, fig_heatmap, fig_by_source, fig_tokens,
+]
+
+
+# ---------------------------------------------------------------- output
+
+
+def _configure(chart):
+    return chart.configure_axis(labelFontSize=12, titleFontSize=13).configure_legend(
+        labelFontSize=12, titleFontSize=13).configure_header(labelFontSize=13, titleFontSize=13)
+
+
+def _script_json(obj) -> str:
+    """JSON that is safe inside a <script> element (no '</script>', no HTML comments)."""
+    return json.dumps(obj).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def _js_bundle() -> str:
+    import vl_convert as vlc
+
+    return vlc.javascript_bundle(vl_version="_".join(alt.VEGALITE_VERSION.split(".")[:2]))
+
+
+PAGE_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1 { margin-bottom: 0.2em; } figure { margin: 2em 0; } figcaption { color: #444; margin-bottom: 0.5em; }
+table { border-collapse: collapse; margin: 0.5em 2em 1em 0; display: inline-table; vertical-align: top; }
+td, th { border: 1px solid #ccc; padding: 2px 8px; text-align: left; } .missing { color: #8a4b00; }
+.links a { margin-right: 1em; font-size: 0.9em; } dl { display: grid; grid-template-columns: max-content auto; gap: 0 1em; }
+"""
+
+ERROR_CAPTURE = """
+window.__errors = [];
+(function () {
+  const orig = console.error;
+  console.error = function (...args) { window.__errors.push(args.map(String).join(' ')); orig.apply(console, args); };
+  window.addEventListener('error', e => window.__errors.push(String(e.message)));
+  window.addEventListener('unhandledrejection', e => window.__errors.push(String(e.reason)));
+})();
+"""
+
+
+def _meta(d: Data, warehouse: Path) -> dict:
+    def column(sql: str) -> list:
+        return [r[0] for r in d.con.execute(sql).fetchall()]
+
+    data_runs = d.where("kind = 'data'")
+    excluded = d.where("source = 'all' AND (n_nonfinite > 0 OR n_zero > 0)")
+    return {
+        "warehouse": str(Path(warehouse).resolve()),
+        "generated": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "models": column(f"SELECT DISTINCT model FROM runs{d.where()} ORDER BY 1"),
+        "checkpoints": column(f"SELECT DISTINCT checkpoint FROM runs{d.where()} ORDER BY 1"),
+        "sources": column(f"SELECT DISTINCT source FROM runs{data_runs} ORDER BY 1"),
+        "tokens": column(f"SELECT coalesce(sum(tokens), 0) FROM runs{data_runs}")[0],
+        "nonfinite": d.q(f"SELECT model, checkpoint, layer, n_nonfinite, n_zero FROM layer_norms{excluded} ORDER BY ALL"),
+    }
+
+
+def build_report(warehouse: Path, out: Path, models: list[str] | None = None,
+                 checkpoints: list[str] | None = None, png: bool = True) -> Report:
+    warehouse, out = Path(warehouse), Path(out)
+    d = Data(warehouse, models, checkpoints)
+    report = Report(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for make in FIGURES:
+        fig = make(d)
+        report.figures.append(fig)
+        if fig.missing:
+            continue
+        fig.data.write_csv(out / f"{fig.id}.csv")
+        if fig.chart is not None:
+            fig.chart = _configure(fig.chart)
+            fig.chart.save(str(out / f"{fig.id}.svg"))
+            if png:
+                fig.chart.save(str(out / f"{fig.id}.png"), scale_factor=2)
+    meta = _meta(d, warehouse)
+    d.con.close()
+    store.atomic_write_bytes(out / "index.html", _page(report, meta).encode())
+    return report
+
+
+def _page(report: Report, meta: dict) -> str:
+    e = html.escape
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Isotropy report</title>",
+        f"<style>{PAGE_CSS}</style><script>{ERROR_CAPTURE}</script>",
+        f"<script>{_js_bundle()}</script></head><body>",
+        "<h1>Isotropy report</h1><dl>",
+        f"<dt>Warehouse</dt><dd><code>{e(meta['warehouse'])}</code></dd>",
+        f"<dt>Drawn</dt><dd>{e(meta['generated'])}</dd>",
+        f"<dt>Models</dt><dd>{e(', '.join(meta['models']) or '(none)')}</dd>",
+        f"<dt>Checkpoints</dt><dd>{e(', '.join(meta['checkpoints']) or '(none)')}</dd>",
+        f"<dt>Sources</dt><dd>{e(', '.join(meta['sources']) or '(none)')}</dd>",
+        f"<dt>Tokens</dt><dd>{meta['tokens']:,}</dd></dl>",
+    ]
+    nf = meta["nonfinite"]
+    if nf.height:
+        rows = "".join(f"<tr><td>{e(r['model'])}</td><td>{e(r['checkpoint'])}</td><td>{r['layer']}</td>"
+                       f"<td>{r['n_nonfinite']}</td><td>{r['n_zero']}</td></tr>" for r in nf.iter_rows(named=True))
+        parts.append("<p class='missing'><b>Excluded activations.</b> Vectors with NaN/inf components or zero norm "
+                     "were counted and left out of every metric:</p><table><tr><th>model</th><th>checkpoint</th>"
+                     f"<th>layer</th><th>NaN/inf</th><th>zero</th></tr>{rows}</table>")
+    if report.missing:
+        parts.append("<h2>Not drawn</h2><ul>" + "".join(
+            f"<li class='missing'><b>{e(f.title)}</b>: {e(f.missing)}.</li>" for f in report.missing) + "</ul>")
+    specs = {}
+    for f in report.drawn:
+        links = [f"<a href='{f.id}.csv'>data (CSV)</a>"]
+        if f.chart is not None:
+            links = [f"<a href='{f.id}.png'>PNG</a>", f"<a href='{f.id}.svg'>SVG</a>"] + links
+            specs[f.id] = f.chart.to_dict()
+        body = f"<div id='{f.id}' class='chart'></div>" if f.chart is not None else f.table_html
+        parts.append(f"<figure><h2>{e(f.title)}</h2><figcaption>{e(f.caption)}</figcaption>{body}"
+                     f"<div class='links'>{''.join(links)}</div></figure>")
+    parts.append("<pre id='render-status' hidden></pre><script>")
+    parts.append(f"const specs = {_script_json(specs)};")
+    parts.append("""
+const embeds = Object.entries(specs).map(([id, spec]) =>
+  vegaEmbed('#' + id, spec, {renderer: 'svg', actions: false}).then(() => id));
+Promise.allSettled(embeds).then(results => {
+  const rendered = results.filter(r => r.status === 'fulfilled').length;
+  results.filter(r => r.status === 'rejected').forEach(r => window.__errors.push(String(r.reason)));
+  const status = document.getElementById('render-status');
+  status.textContent = JSON.stringify({charts: results.length, rendered: rendered, errors: window.__errors});
+  document.body.dataset.rendered = String(rendered);
+});
+</script></body></html>""")
+    return "\n".join(parts)
