@@ -23,6 +23,9 @@ from .query import connect
 # Okabe & Ito's colour-blind-safe palette (black last).
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"]
 WIDTH, HEIGHT = 380, 250
+# Axis titles in ASCII: the chart fonts lack '‖' and '√'.
+AVGNORM_TITLE = "avgnorm = ||v|| / sqrt(d)"
+RATIO_TITLE = "||b|| / ||g||"
 TOKENS_SHOWN = 15
 TOKENS_MIN_N = 5
 
@@ -111,16 +114,27 @@ def _tooltip(*fields: str) -> list:
     return [alt.Tooltip(f) for f in fields]
 
 
+def _x_axis(x: str) -> alt.Axis:
+    if x == "layer":
+        return alt.Axis(tickMinStep=1, format="d")
+    if x == "step":
+        return alt.Axis(tickCount=6, labelOverlap="greedy")
+    return alt.Axis()
+
+
 def _line(df: pl.DataFrame, x: str, x_title: str, y: str, y_title: str, tooltip: list[str], color: str = "model",
-          color_title: str = "Model", dash: str | None = None, dash_title: str | None = None, x_type: str = "Q"):
+          color_title: str = "Model", dash: str | None = None, dash_title: str | None = None,
+          dash_order: list[str] | None = None):
     enc = dict(
-        x=alt.X(f"{x}:{x_type}", title=x_title),
+        x=alt.X(f"{x}:Q", title=x_title, axis=_x_axis(x)),
         y=alt.Y(f"{y}:Q", title=y_title, scale=alt.Scale(zero=False)),
         color=_color(color, color_title),
         tooltip=_tooltip(*tooltip),
     )
-    if dash:
-        enc["strokeDash"] = alt.StrokeDash(f"{dash}:N", title=dash_title)
+    if dash:  # the first value of dash_order is drawn solid, the second dashed
+        enc["strokeDash"] = alt.StrokeDash(f"{dash}:N", title=dash_title,
+                                           scale=alt.Scale(domain=dash_order, range=[[1, 0], [6, 3]]),
+                                           legend=alt.Legend(symbolType="stroke", symbolStrokeColor="#444", symbolStrokeWidth=2, symbolSize=400, symbolFillColor="transparent"))
     return alt.Chart(df).mark_line(point=True).encode(**enc).properties(width=WIDTH, height=HEIGHT)
 
 
@@ -236,7 +250,7 @@ def fig_isotropy_training(d: Data) -> Figure:
     df = _centered_label(df)
     f.chart = _line(df, "step", "Training step", "i_w", "I(W) of the unembedding (min Z / max Z)",
                     ["model", "checkpoint", "step", "variant", "i_w", "i_w_eigh_signs"], dash="variant",
-                    dash_title="Matrix")
+                    dash_title="Matrix", dash_order=["W (raw)", "Ŵ (mean-centred)"])
     f.data = df
     return f
 
@@ -258,13 +272,13 @@ def fig_layernorm(d: Data) -> Figure:
     long = _norm_long(df)
     bars = alt.Chart(long).mark_bar().encode(
         x=alt.X("model:N", title="Model", axis=alt.Axis(labelAngle=-30)), xOffset="parameter:N",
-        y=alt.Y("avgnorm:Q", title="avgnorm = ‖v‖/√d"),
+        y=alt.Y("avgnorm:Q", title=AVGNORM_TITLE),
         color=alt.Color("parameter:N", title="Parameter", scale=alt.Scale(range=PALETTE)),
         tooltip=_tooltip("model", "checkpoint", "module", "parameter", "avgnorm"),
     ).properties(width=WIDTH, height=HEIGHT)
     ratio = alt.Chart(df).mark_bar(color=PALETTE[2]).encode(
         x=alt.X("model:N", title="Model", axis=alt.Axis(labelAngle=-30)),
-        y=alt.Y("b_g_ratio:Q", title="‖b‖ / ‖g‖"),
+        y=alt.Y("b_g_ratio:Q", title=RATIO_TITLE),
         tooltip=_tooltip("model", "checkpoint", "b_g_ratio", "sum_b_over_g", "b_parallel_norm", "b_perp_norm"),
     ).properties(width=WIDTH * 0.6, height=HEIGHT)
     f.chart, f.data = alt.hconcat(bars, ratio), df
@@ -278,9 +292,10 @@ def fig_layernorm_training(d: Data) -> Figure:
     if df.is_empty():
         f.missing = _training_missing("layernorm") + " and a final LayerNorm with a bias"
         return f
-    a = _line(_norm_long(df), "step", "Training step", "avgnorm", "avgnorm = ‖v‖/√d",
-              ["model", "checkpoint", "step", "parameter", "avgnorm"], dash="parameter", dash_title="Parameter")
-    b = _line(df, "step", "Training step", "b_g_ratio", "‖b‖ / ‖g‖",
+    a = _line(_norm_long(df), "step", "Training step", "avgnorm", AVGNORM_TITLE,
+              ["model", "checkpoint", "step", "parameter", "avgnorm"], dash="parameter", dash_title="Parameter",
+              dash_order=["g (gain)", "b (bias)"])
+    b = _line(df, "step", "Training step", "b_g_ratio", RATIO_TITLE,
               ["model", "checkpoint", "step", "b_g_ratio", "sum_b_over_g"])
     f.chart, f.data = alt.hconcat(a, b), df
     return f
@@ -312,7 +327,7 @@ def fig_by_source(d: Data) -> Figure:
         f.missing = "no token data in the warehouse"
         return f
     f.chart = alt.Chart(df).mark_line(point=True).encode(
-        x=alt.X("layer:Q", title="Layer index (0 = embedding)"),
+        x=alt.X("layer:Q", title="Layer index (0 = embedding)", axis=_x_axis("layer")),
         y=alt.Y("inter_sim:Q", title="Inter-Sim (mean cosine)", scale=alt.Scale(zero=False)),
         color=_color("source", "Source"),
         tooltip=_tooltip("model", "checkpoint", "source", "layer", "n", "inter_sim"),
@@ -404,7 +419,8 @@ def _meta(d: Data, warehouse: Path) -> dict:
         "warehouse": str(Path(warehouse).resolve()),
         "generated": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "models": column(f"SELECT DISTINCT model FROM runs{d.where()} ORDER BY 1"),
-        "checkpoints": column(f"SELECT DISTINCT checkpoint FROM runs{d.where()} ORDER BY 1"),
+        "checkpoints": column(f"SELECT checkpoint FROM runs{d.where()} GROUP BY checkpoint "
+                              "ORDER BY min(step) NULLS FIRST, checkpoint"),
         "sources": column(f"SELECT DISTINCT source FROM runs{data_runs} ORDER BY 1"),
         "tokens": column(f"SELECT coalesce(sum(tokens), 0) FROM runs{data_runs}")[0],
         "nonfinite": d.q(f"SELECT model, checkpoint, layer, n_nonfinite, n_zero FROM layer_norms{excluded} ORDER BY ALL"),

@@ -1,0 +1,172 @@
+"""The report: chart data equals the views, partial warehouses explain themselves, and a real
+browser renders every chart from disk with the network cut off."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from conftest import run_cli
+from warehouse import report as rep
+from warehouse.query import connect
+
+# figure id → (view, key columns, value columns, restriction)
+CHART_VIEWS = {
+    "fig1_inter_sim_by_layer": ("inter_sim", ["model", "checkpoint", "layer"], ["n", "inter_sim"]),
+    "fig2_avg_intra_sim_by_layer": ("avg_intra_sim", ["model", "checkpoint", "layer"], ["tokens", "avg_intra_sim"]),
+    "fig3_inter_sim_training": ("inter_sim", ["model", "checkpoint", "layer"], ["n", "inter_sim"]),
+    "fig4_avg_intra_sim_training": ("avg_intra_sim", ["model", "checkpoint", "layer"], ["avg_intra_sim"]),
+    "fig5_isotropy_unembedding": ("isotropy", ["model", "checkpoint", "matrix", "centered"], ["i_w", "i_w_eigh_signs"]),
+    "fig6_isotropy_embedding": ("isotropy", ["model", "checkpoint", "matrix", "centered"], ["i_w", "i_w_eigh_signs"]),
+    "fig7_isotropy_training": ("isotropy", ["model", "checkpoint", "matrix", "centered"], ["i_w"]),
+    "fig8_final_layernorm": ("layernorm", ["model", "checkpoint", "module"], ["avgnorm_g", "avgnorm_b", "b_g_ratio"]),
+    "fig9_final_layernorm_training": ("layernorm", ["model", "checkpoint", "module"], ["avgnorm_g", "avgnorm_b", "b_g_ratio"]),
+    "fig10_inter_sim_heatmap": ("inter_sim", ["model", "checkpoint", "layer"], ["inter_sim"]),
+    "fig11_inter_sim_by_source": ("inter_sim_by_source", ["model", "checkpoint", "source", "layer"], ["inter_sim"]),
+    "table1_contextualised_tokens": ("intra_sim", ["model", "checkpoint", "layer", "token_id"], ["n", "intra_sim", "token"]),
+}
+
+
+@pytest.fixture(scope="session")
+def trained(workdir, sources):
+    """Two micro models (tied, untied) trained for a few steps, extracted over two sources."""
+    wh = workdir / "trained-wh"
+    for tied in ("--tied", "--untied"):
+        out = workdir / "micro" / f"micro{tied[1:]}"
+        code, _, err = run_cli("train", "--source", f"alpha={sources['alpha']}", "--out", out, tied, "--width", 32,
+                               "--depth", 2, "--context", 32, "--vocab", 300, "--steps", 8, "--save-every", 4,
+                               "--batch-size", 4)
+        assert code == 0, err
+        code, _, err = run_cli("extract", "--model", out, "--checkpoints", "all", "--source",
+                               f"alpha={sources['alpha']}", "--source", f"beta={sources['beta']}", "--warehouse", wh)
+        assert code == 0, err
+    return wh
+
+
+@pytest.fixture(scope="session")
+def full_report(trained, workdir):
+    out = workdir / "report"
+    code, _, err = run_cli("report", "--warehouse", trained, "--out", out)
+    assert code == 0, err
+    return out
+
+
+def test_every_figure_is_drawn_with_png_svg_and_csv(full_report):
+    for fig in CHART_VIEWS:
+        assert (full_report / f"{fig}.csv").stat().st_size > 0, fig
+        if not fig.startswith("table"):
+            assert (full_report / f"{fig}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+            assert "<svg" in (full_report / f"{fig}.svg").read_text()[:500]
+    page = (full_report / "index.html").read_text()
+    assert "Not drawn" not in page
+    assert "micro-tied" in page and "alpha" in page and "beta" in page and "step8" in page
+
+
+@pytest.mark.parametrize("fig", sorted(CHART_VIEWS))
+def test_chart_data_equals_the_view(full_report, trained, fig):
+    view, keys, values = CHART_VIEWS[fig]
+    chart = pl.read_csv(full_report / f"{fig}.csv", infer_schema_length=None)
+    truth = connect(trained).sql(f"SELECT * FROM {view}").pl()
+    assert chart.height > 0
+    joined = chart.select(keys + values).join(truth.select(keys + values), on=keys, how="left", suffix="_view")
+    for v in values:
+        a, b = joined[v], joined[f"{v}_view"]
+        assert b.null_count() == 0, (fig, "rows missing from the view")
+        if a.dtype.is_float():
+            assert ((a - b).abs() <= 1e-12 * b.abs().clip(lower_bound=1e-300)).all(), (fig, v)
+        else:
+            assert (a.cast(pl.String) == b.cast(pl.String)).all(), (fig, v)
+
+
+def test_training_figures_use_every_step_and_the_last_layer(full_report, trained):
+    df = pl.read_csv(full_report / "fig3_inter_sim_training.csv")
+    assert sorted(df.filter(pl.col("model") == "micro-tied")["step"].to_list()) == [0, 4, 8]
+    assert set(df["layer"].to_list()) == {3}  # 2 blocks + final norm
+    f1 = pl.read_csv(full_report / "fig1_inter_sim_by_layer.csv")
+    assert set(f1["checkpoint"].to_list()) == {"step8"}  # the final checkpoint
+    assert f1["relative_depth"].min() == 0 and f1["relative_depth"].max() == 1
+
+
+def test_empty_warehouse_explains_itself(workdir):
+    wh, out = workdir / "empty-wh", workdir / "empty-report"
+    wh.mkdir()
+    code, _, err = run_cli("report", "--warehouse", wh, "--out", out)
+    assert code == 0, err
+    page = (out / "index.html").read_text()
+    assert page.count("class='missing'") == len(rep.FIGURES)
+    assert "no token data in the warehouse" in page and "0 of 12 figures drawn" in err
+
+
+def test_partial_warehouse_draws_what_it_can(workdir, model_factory):
+    wh, out = workdir / "partial-wh", workdir / "partial-report"
+    code, _, err = run_cli("extract", "--model", model_factory("gpt_neox", tied=False), "--params-only", "--warehouse", wh)
+    assert code == 0, err
+    code, _, err = run_cli("report", "--warehouse", wh, "--out", out)
+    assert code == 0, err
+    drawn = sorted(p.stem for p in out.glob("*.png"))
+    assert drawn == ["fig5_isotropy_unembedding", "fig6_isotropy_embedding", "fig8_final_layernorm"]
+    assert "not drawn: Figure 1. Inter-Sim per layer: no token data" in err
+
+
+def test_model_and_checkpoint_filters(trained, workdir):
+    out = workdir / "filtered-report"
+    code, _, err = run_cli("report", "--warehouse", trained, "--out", out, "--model", "micro-untied", "--checkpoint", "step4")
+    assert code == 0, err
+    f1 = pl.read_csv(out / "fig1_inter_sim_by_layer.csv")
+    assert set(zip(f1["model"], f1["checkpoint"])) == {("micro-untied", "step4")}
+    assert "Figure 3" in (out / "index.html").read_text()  # explained as not drawn: one checkpoint
+
+
+def test_token_text_is_shown_as_text(monkeypatch, trained, workdir):
+    evil = "<script>window.__pwned = 1</script><img src=x onerror=alert(1)>"
+    real = rep.Data.final
+
+    def final(self, name, extra="", order=""):
+        df = real(self, name, extra, order)
+        return df.with_columns(pl.lit(evil).alias("token")) if name == "intra_sim" else df
+
+    monkeypatch.setattr(rep.Data, "final", final)
+    out = workdir / "evil-report"
+    rep.build_report(trained, out, png=False)
+    page = (out / "index.html").read_text()
+    assert evil not in page and "window.__pwned" in page  # present, escaped
+    assert "&lt;script&gt;window.__pwned" in page
+    assert "</script>" not in rep._script_json({"t": evil})
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_a_real_browser_renders_every_chart_offline(full_report, tmp_path):
+    browser = _chromium()
+    if browser is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (.ci/run installs Debian's chromium)")
+        pytest.skip("chromium not installed")
+    common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+              "--disable-background-networking", "--disable-component-update", "--disable-sync",
+              "--proxy-server=127.0.0.1:9", "--proxy-bypass-list=<-loopback>",  # any fetch would fail
+              f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=30000"]
+    url = (full_report / "index.html").as_uri()
+    dom = subprocess.run(common + ["--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    status = json.loads(re.search(r'<pre id="render-status"[^>]*>(.*?)</pre>', dom, re.S).group(1))
+    charts = sum(1 for f in CHART_VIEWS if not f.startswith("table"))
+    assert status == {"charts": charts, "rendered": charts, "errors": []}
+    assert dom.count("<svg") >= charts
+    shot = tmp_path / "shot.png"
+    subprocess.run(common + ["--window-size=1200,2000", f"--screenshot={shot}", url], capture_output=True, timeout=120)
+    from PIL import Image
+
+    img = Image.open(shot).convert("RGB")
+    colours = img.getcolors(maxcolors=1 << 20)
+    assert len(colours) > 50  # lines, bars, text: not a blank page
+    # the Okabe-Ito blue of the first series is on screen
+    assert any(abs(r - 0) < 20 and abs(g - 114) < 20 and abs(b - 178) < 20 for _, (r, g, b) in colours)
