@@ -11,11 +11,13 @@ from __future__ import annotations
 import datetime as _dt
 import html
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import altair as alt
 import polars as pl
+from tqdm import tqdm
 
 from . import store
 from .query import connect
@@ -433,7 +435,7 @@ def build_report(warehouse: Path, out: Path, models: list[str] | None = None,
     d = Data(warehouse, models, checkpoints)
     report = Report(out)
     out.mkdir(parents=True, exist_ok=True)
-    for make in FIGURES:
+    for make in tqdm(FIGURES, desc="report", unit="figure", file=sys.stderr, disable=None):
         fig = make(d)
         report.figures.append(fig)
         if fig.missing:

@@ -1,0 +1,65 @@
+"""The newcomer path: micro-model training, the stdlib-docs source and the whole demo (small)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import run_cli
+from extract.sources import BUILTIN, ReadStats, documents, parse_source
+from warehouse.query import connect
+
+
+def test_stdlib_docs_is_read_at_run_time():
+    src = parse_source("stdlib-docs")
+    docs = list(documents(src, (1, 1), ReadStats()))
+    assert len(docs) > 1000 and any("Return" in d for d in docs)
+    import json as json_module
+
+    assert json_module.__doc__.strip() in docs  # the running interpreter's own docstrings
+    assert docs == list(BUILTIN["stdlib-docs"]())  # deterministic order
+
+
+def test_train_saves_hf_checkpoints_tied_and_untied(workdir, sources):
+    for tied, flag in ((True, "--tied"), (False, "--untied")):
+        out = workdir / "train-test" / flag[2:]
+        code, _, err = run_cli("train", "--source", f"alpha={sources['alpha']}", "--out", out, flag, "--width", 32,
+                               "--depth", 2, "--heads", 2, "--context", 32, "--vocab", 300, "--steps", 6,
+                               "--save-every", 3, "--seed", 1)
+        assert code == 0, err
+        assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["step0", "step3", "step6"]
+        w = load_file(str(out / "step6" / "model.safetensors"))
+        assert ("lm_head.weight" in w or "embed_out.weight" in w) != tied  # tied models store one matrix
+        rec = json.loads((out / "train.json").read_text())
+        assert rec["settings"]["tied"] is tied and rec["checkpoints"]["step6"]["loss"] > 0
+        w0 = load_file(str(out / "step0" / "model.safetensors"))
+        assert (w0["gpt_neox.embed_in.weight"] != w["gpt_neox.embed_in.weight"]).any()  # it trained
+        code, _, err = run_cli("train", "--source", f"alpha={sources['alpha']}", "--out", out, flag, "--width", 32,
+                               "--depth", 2, "--heads", 2, "--context", 32, "--vocab", 300, "--steps", 6,
+                               "--save-every", 3, "--seed", 1)
+        assert code == 0 and "reusing it" in err
+
+
+def test_train_rejects_bad_settings(workdir, sources):
+    code, _, err = run_cli("train", "--source", f"alpha={sources['alpha']}", "--out", workdir / "bad", "--width", 30,
+                           "--heads", 4)
+    assert code == 2 and err.startswith("error: --width 30 must be a multiple of --heads 4")
+
+
+def test_demo_end_to_end_and_reuse(workdir):
+    out = workdir / "demo"
+    args = ["demo", "--dir", out, "--steps", 4, "--save-every", 2, "--max-tokens", 1500]
+    code, stdout, err = run_cli(*args)
+    assert code == 0, err
+    con = connect(out / "warehouse")
+    models = dict(con.execute("SELECT model, count(DISTINCT checkpoint) FROM inter_sim GROUP BY model").fetchall())
+    assert models == {"minilm": 1, "micro-tied": 3, "micro-untied": 3}
+    assert (out / "reports" / "index.html").exists()
+    assert "12 of 12 figures" in stdout and "duckdb -init" in stdout and stdout.count("SELECT") == 2
+    runs = con.execute("SELECT run_id FROM runs ORDER BY ALL").fetchall()
+    code, stdout, err = run_cli(*args)  # again: nothing retrained or re-extracted
+    assert code == 0, err
+    assert err.count("reusing it") == 2 and err.count("skipped") == 7
+    assert connect(out / "warehouse").execute("SELECT run_id FROM runs ORDER BY ALL").fetchall() == runs
