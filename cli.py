@@ -43,6 +43,8 @@ def extract(
     vector_dtype: str = typer.Option("float32", help="Storage of per-token sum vectors: float32 | float64 (exact merges, 2x bytes) | float16 (half the bytes)."),
     params_only: bool = typer.Option(False, "--params-only", help="Write only the parameter tables (no data)."),
     accumulator_device: Optional[str] = typer.Option(None, help="Where the float64 sums live (default: --device); 'cpu' frees GPU memory for big models."),
+    moments: bool = typer.Option(False, "--moments/--no-moments", help="Also store Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (float64, d² per layer) for anisotropy, IsoScore, PCA, linearity."),
+    sample: int = typer.Option(0, help="Also keep a mergeable bottom-k sample of K token vectors per layer (intrinsic dimension)."),
     skip_done: bool = typer.Option(False, "--skip-done", help="Keep runs already in the warehouse with the same settings and data (resume a sweep) instead of replacing them."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub (off by default)."),
 ):
@@ -69,6 +71,8 @@ def extract(
         dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
         if dtype not in DTYPES:
             raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        if sample < 0:
+            raise UserError("--sample must be 0 (none) or a positive count")
         for name, value in (("--batch-size", batch_size), ("--max-length", max_length), ("--max-tokens", max_tokens)):
             if value is not None and value < 1:
                 raise UserError(f"{name} must be at least 1")
@@ -85,7 +89,8 @@ def extract(
         settings = Settings(unit=unit, max_length=max_length, max_tokens=max_tokens, batch_size=batch_size,
                             device=device, dtype=dtype, shard=parse_shard(shard), vector_dtype=vector_dtype,
                             trust_remote_code=trust_remote_code, params_only=params_only,
-                            accumulator_device=accumulator_device, skip_done=skip_done)
+                            accumulator_device=accumulator_device, skip_done=skip_done, moments=moments,
+                            sample=sample)
         start = time.perf_counter()
         results = run_extract(ref, revs, sources, warehouse, settings, log=lambda m: typer.echo(m, err=True))
         typer.echo(summary_line(results, time.perf_counter() - start) + f"; warehouse: {warehouse}", err=True)

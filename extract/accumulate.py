@@ -26,6 +26,8 @@ class TokenSums:
         self.nonfinite = torch.zeros(n_layers, dtype=torch.int64, device=self.master)
         self.zero = torch.zeros(n_layers, dtype=torch.int64, device=self.master)
         self._batch = None
+        self.moments: Moments | None = None  # optional consumers of the raw (unnormalised) vectors
+        self.sample: Sample | None = None
 
     def set_batch(self, input_ids: torch.Tensor, counted: torch.Tensor) -> None:
         """input_ids, counted: (B, T); counted marks the positions that enter the statistics."""
@@ -45,6 +47,10 @@ class TokenSums:
         x = hidden.reshape(-1, d).index_select(0, sel).double()  # (M, d) float64
         norm = torch.linalg.vector_norm(x, dim=1)  # (M,)
         ok = torch.isfinite(norm) & (norm > 0)  # (M,)
+        if self.moments is not None:
+            self.moments.add(layer, x, ok)
+        if self.sample is not None:
+            self.sample.add(layer, x)
         x.div_(norm.unsqueeze(1))  # û
         counts = self._ones
         if not bool(ok.all()):  # rare: NaN/inf or zero vectors are counted, then zeroed out
@@ -62,3 +68,69 @@ class TokenSums:
             count = torch.zeros(len(uniq), dtype=torch.int64, device=x.device).index_add_(0, index, counts)
             self.sums[layer].index_add_(0, uniq_master, partial.to(self.master))
             self.counts[layer].index_add_(0, uniq_master, count.to(self.master))
+
+
+class Moments:
+    """Per layer: n, Σh (d,), Σhhᵀ (d, d); per consecutive pair (l, l+1): Σ h_l h_{l+1}ᵀ — float64,
+    over the raw hidden states.  A vector with NaN/inf or zero norm is left out of its layer, and
+    a pair's cross moment only takes tokens counted in both layers (`n_pair`)."""
+
+    def __init__(self, n_layers: int, d: int, device: torch.device | str, cross: bool = True):
+        dev = torch.device(device)
+        self.n = torch.zeros(n_layers, dtype=torch.int64, device=dev)
+        self.s1 = torch.zeros(n_layers, d, dtype=torch.float64, device=dev)
+        self.s2 = torch.zeros(n_layers, d, d, dtype=torch.float64, device=dev)
+        self.cross = torch.zeros(n_layers - 1, d, d, dtype=torch.float64, device=dev) if cross else None
+        self.n_pair = torch.zeros(n_layers - 1, dtype=torch.int64, device=dev)
+        self._prev: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def add(self, layer: int, x: torch.Tensor, ok: torch.Tensor) -> None:
+        """x: (M, d) float64 raw vectors of the batch's counted positions; ok: (M,) bool."""
+        all_ok = bool(ok.all())
+        xs = x if all_ok else x[ok]  # (M', d)
+        self.n[layer] += len(xs)
+        self.s1[layer] += xs.sum(0)
+        self.s2[layer].addmm_(xs.T, xs)
+        if self.cross is not None and self._prev is not None and self._prev[0] == layer - 1:
+            _, px, pok = self._prev
+            both = pok & ok
+            if bool(both.all()):
+                self.cross[layer - 1].addmm_(px.T, x)
+                self.n_pair[layer - 1] += len(x)
+            else:
+                self.cross[layer - 1].addmm_(px[both].T, x[both])
+                self.n_pair[layer - 1] += int(both.sum())
+        if self.cross is not None:
+            self._prev = (layer, x.clone(), ok)  # x is normalised in place afterwards
+
+
+class Sample:
+    """A bottom-k sample of K token vectors per layer: the K counted positions with the smallest
+    position keys (a hash of source, document and position).  The union of two samples' bottom-k
+    is the bottom-k of the union, so shards and sources merge into the sample one run would draw."""
+
+    def __init__(self, n_layers: int, k: int, d: int):
+        self.k = k
+        self.keys = torch.empty(0, dtype=torch.int64)  # (S,) kept keys, ascending
+        self.meta = torch.empty(0, 3, dtype=torch.int64)  # (S, 3): document, position, token id
+        self.vecs = [torch.empty(0, d, dtype=torch.float32) for _ in range(n_layers)]
+        self._plan = None
+
+    def set_batch(self, keys: torch.Tensor, meta: torch.Tensor) -> None:
+        """keys: (M,) int64 position keys of the batch's counted positions; meta: (M, 3)."""
+        keys, meta = keys.cpu(), meta.cpu()
+        allk = torch.cat([self.keys, keys])
+        order = torch.argsort(allk)[: self.k]  # bottom-k of old ∪ new
+        order = order[torch.argsort(allk[order])]
+        old = order[order < len(self.keys)]
+        new = order[order >= len(self.keys)] - len(self.keys)
+        self.keys = torch.cat([self.keys[old], keys[new]])
+        self.meta = torch.cat([self.meta[old], meta[new]])
+        resort = torch.argsort(self.keys)
+        self.keys, self.meta = self.keys[resort], self.meta[resort]
+        self._plan = (old, new, resort)
+
+    def add(self, layer: int, x: torch.Tensor) -> None:
+        """x: (M, d) float64 raw vectors, rows in the order of the keys given to set_batch."""
+        old, new, resort = self._plan
+        self.vecs[layer] = torch.cat([self.vecs[layer][old], x[new.to(x.device)].float().cpu()])[resort]

@@ -26,13 +26,13 @@ from tqdm import tqdm
 
 from warehouse import schema, store
 
-from .accumulate import TokenSums
+from .accumulate import Moments, Sample, TokenSums
 from .architectures import get_module
 from .errors import UserError
 from .hooks import capture_layers, layer_kinds
 from .models import DTYPES, Loaded, ModelRef, check_dtype, load
 from .params import norm_table, partition_table, vocab_table
-from .sources import ReadStats, SentenceSplitter, Source, documents, fingerprint
+from .sources import ReadStats, SentenceSplitter, Source, fingerprint, indexed_documents, position_keys, source_salt
 
 
 @dataclass
@@ -49,10 +49,12 @@ class Settings:
     params_only: bool = False
     accumulator_device: str | None = None
     skip_done: bool = False  # keep finished (checkpoint, source, shard) runs with the same settings
+    moments: bool = False  # Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (issue: peers' metrics)
+    sample: int = 0  # K: bottom-k sample of token vectors per layer (0 = none)
 
 
 # Settings that change a run's numbers: a finished run with the same ones can be kept (--skip-done).
-RESULT_SETTINGS = ("unit", "max_length", "max_tokens", "dtype", "shard", "vector_dtype", "pile_set")
+RESULT_SETTINGS = ("unit", "max_length", "max_tokens", "dtype", "shard", "vector_dtype", "pile_set", "moments", "sample")
 
 
 @dataclass
@@ -96,77 +98,86 @@ def package_versions() -> dict[str, str]:
 # ---------------------------------------------------------------- token windows
 
 
-def windows(loaded: Loaded, texts: Iterator[str], settings: Settings, result: SourceResult,
-            splitter: SentenceSplitter | None) -> Iterator[tuple[list[int], bool]]:
-    """Token windows (ids, has_special_ends): documents or sentences, cut into --max-length pieces."""
+def windows(loaded: Loaded, texts: Iterator[tuple[int, str]], settings: Settings, result: SourceResult,
+            splitter: SentenceSplitter | None) -> Iterator[tuple[list[int], int, int]]:
+    """Token windows (ids, document index, position of the first token in the document's token
+    stream): documents or sentences, cut into --max-length pieces."""
     tok, fam = loaded.tokenizer, loaded.family
     max_len = settings.max_length or loaded.context
     content = max_len - 2 if fam.special_tokens else max_len
     budget = settings.max_tokens
     chunk: list[str] = []
+    docs: list[int] = []
+    offset = {"doc": -1, "pos": 0}
 
     def flush():
         nonlocal budget
         enc = tok(chunk, add_special_tokens=False)["input_ids"]
-        for ids in enc:
+        for ids, doc in zip(enc, docs):
+            if doc != offset["doc"]:
+                offset["doc"], offset["pos"] = doc, 0
             for start in range(0, len(ids), content):
                 piece = ids[start:start + content]
                 if budget is not None:
                     piece = piece[:budget]
                     budget -= len(piece)
                 if piece:
-                    yield piece
+                    yield piece, doc, offset["pos"] + start
                 if budget is not None and budget <= 0:
                     return
+            offset["pos"] += len(ids)
 
-    for text in texts:
+    for doc, text in texts:
         units = splitter(text) if splitter else [text]
         if not units or not any(u.strip() for u in units):
             result.skipped += 1
             continue
         chunk.extend(units)
+        docs.extend([doc] * len(units))
         if len(chunk) >= 256:
             yield from flush()
-            chunk = []
+            chunk, docs = [], []
             if budget is not None and budget <= 0:
                 return
     if chunk:
         yield from flush()
 
 
-def batches(loaded: Loaded, wins: Iterator[list[int]], batch_size: int, device: str
-            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Padded batches (input_ids, attention_mask, counted), each (B, T); windows sorted by
-    length within a buffer of 32 batches to waste little on padding."""
+def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_size: int, device: str
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Padded batches (input_ids, attention_mask, counted, where), the first three (B, T) on the
+    device and `where` (B, T, 2) on the CPU: each position's document index and position in the
+    document.  Windows are sorted by length within a buffer of 32 batches to waste little padding."""
     fam, tok = loaded.family, loaded.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     def make(group):
         seqs = []
-        for ids in group:
+        for ids, _, _ in group:
             seqs.append([tok.cls_token_id, *ids, tok.sep_token_id] if fam.special_tokens else ids)
         T = max(len(s) for s in seqs)
         input_ids = torch.full((len(seqs), T), pad, dtype=torch.long)
         mask = torch.zeros((len(seqs), T), dtype=torch.long)
         counted = torch.zeros((len(seqs), T), dtype=torch.bool)
-        for i, s in enumerate(seqs):
+        where = torch.zeros((len(seqs), T, 2), dtype=torch.long)
+        for i, (s, (ids, doc, start)) in enumerate(zip(seqs, group)):
             input_ids[i, : len(s)] = torch.tensor(s)
             mask[i, : len(s)] = 1
-            if fam.special_tokens:
-                counted[i, 1 : len(s) - 1] = True
-            else:
-                counted[i, : len(s)] = True
-        return input_ids.to(device), mask.to(device), counted.to(device)
+            first = 1 if fam.special_tokens else 0
+            counted[i, first : first + len(ids)] = True
+            where[i, first : first + len(ids), 0] = doc
+            where[i, first : first + len(ids), 1] = torch.arange(start, start + len(ids))
+        return input_ids.to(device), mask.to(device), counted.to(device), where
 
-    buffer: list[list[int]] = []
+    buffer: list[tuple[list[int], int, int]] = []
     for w in wins:
         buffer.append(w)
         if len(buffer) >= 32 * batch_size:
-            buffer.sort(key=len)
+            buffer.sort(key=lambda w: len(w[0]))
             for i in range(0, len(buffer), batch_size):
                 yield make(buffer[i : i + batch_size])
             buffer = []
-    buffer.sort(key=len)
+    buffer.sort(key=lambda w: len(w[0]))
     for i in range(0, len(buffer), batch_size):
         yield make(buffer[i : i + batch_size])
 
@@ -185,19 +196,28 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
     kinds = layer_kinds(loaded.model, loaded.family)
     d = emb.weight.shape[1]
     acc = TokenSums(len(kinds), emb.weight.shape[0], d, settings.device, settings.accumulator_device)
+    if settings.moments:
+        acc.moments = Moments(len(kinds), d, settings.accumulator_device or settings.device)
+    if settings.sample:
+        acc.sample = Sample(len(kinds), settings.sample, d)
+    salt = source_salt(source.name)
     stats = ReadStats()
     splitter = SentenceSplitter() if settings.unit == "sentence" else None
-    texts = documents(source, settings.shard, stats)
+    texts = indexed_documents(source, settings.shard, stats)
     kwargs = forward_kwargs(loaded)
     bar = tqdm(desc=f"{loaded.ref.name}@{loaded.checkpoint} {source.name}", unit="tok",
                unit_scale=True, total=settings.max_tokens, mininterval=1.0, file=sys.stderr,
                disable=None)
     start = time.perf_counter()
     with torch.inference_mode(), capture_layers(loaded.model, loaded.family, acc.add):
-        for input_ids, mask, counted in batches(
+        for input_ids, mask, counted, where in batches(
             loaded, windows(loaded, texts, settings, result, splitter), settings.batch_size, settings.device
         ):
             acc.set_batch(input_ids, counted)
+            if acc.sample is not None:
+                w = where[counted.cpu()]  # (M, 2): document, position
+                keys = torch.from_numpy(position_keys(salt, w[:, 0].numpy(), w[:, 1].numpy()))
+                acc.sample.set_batch(keys, torch.cat([w, input_ids[counted].cpu()[:, None]], 1))
             base(input_ids=input_ids, attention_mask=mask, **kwargs)
             n = int(counted.sum())
             result.tokens += n
@@ -252,7 +272,30 @@ def write_sums(root: Path, loaded: Loaded, source: Source, settings: Settings, a
             layer_rows["n_zero"].append(int(acc.zero[layer]))
             layer_rows["vec"].append(total.tolist())
         writers[1].write({**{k: [v] * len(kinds) for k, v in key.items()}, **layer_rows})
-        return {"token_sums": writers[0].close(), "layer_sums": writers[1].close()}
+        files = {"token_sums": writers[0].close(), "layer_sums": writers[1].close()}
+        if acc.moments is not None:
+            w = store.TableWriter(root, "moments", values, run_id)
+            writers.append(w)
+            m = acc.moments
+            for layer in range(len(kinds)):  # one row group per layer: d×d matrices are large
+                last = layer == len(kinds) - 1 or m.cross is None
+                w.write({**{k: [v] for k, v in key.items()}, "layer": [layer], "n": [int(m.n[layer])],
+                         "s1": [m.s1[layer].cpu().numpy()], "s2": [m.s2[layer].cpu().numpy().reshape(-1)],
+                         "n_pair": [None if last else int(m.n_pair[layer])],
+                         "s_cross": [None if last else m.cross[layer].cpu().numpy().reshape(-1)]})
+            files["moments"] = w.close()
+        if acc.sample is not None:
+            w = store.TableWriter(root, "samples", values, run_id)
+            writers.append(w)
+            smp = acc.sample
+            for layer in range(len(kinds)):
+                k = len(smp.keys)
+                w.write({**{kk: [v] * k for kk, v in key.items()}, "layer": np.full(k, layer, np.int16),
+                         "key": smp.keys.numpy(), "document": smp.meta[:, 0].numpy(),
+                         "position": smp.meta[:, 1].numpy(), "token_id": smp.meta[:, 2].numpy().astype(np.int32),
+                         "vec": list(smp.vecs[layer].numpy())})
+            files["samples"] = w.close()
+        return files
     except BaseException:
         for w in writers:
             w.abort()

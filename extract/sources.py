@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
+
 from .errors import UserError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -184,14 +186,36 @@ def _raw_documents(source: Source, stats: ReadStats) -> Iterator[str]:
         yield obj["text"]
 
 
-def documents(source: Source, shard: tuple[int, int], stats: ReadStats) -> Iterator[str]:
-    """The source's documents that belong to shard I of N (document index mod N == I − 1)."""
+def indexed_documents(source: Source, shard: tuple[int, int], stats: ReadStats) -> Iterator[tuple[int, str]]:
+    """(index in the source, text) of the documents of shard I of N (index mod N == I − 1)."""
     i, n = shard
     for index, text in enumerate(_raw_documents(source, stats)):
         if index % n != i - 1 or text is None:
             continue
         stats.documents += 1
+        yield index, text
+
+
+def documents(source: Source, shard: tuple[int, int], stats: ReadStats) -> Iterator[str]:
+    """The source's documents that belong to shard I of N."""
+    for _, text in indexed_documents(source, shard, stats):
         yield text
+
+
+def position_keys(salt: int, doc: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """A 63-bit hash of (source, document, position) per token (splitmix64): the order in which
+    tokens enter the bottom-k sample, the same whatever the shard or batch they come in."""
+    with np.errstate(over="ignore"):
+        z = (np.uint64(salt) ^ (doc.astype(np.uint64) << np.uint64(24)) ^ pos.astype(np.uint64))
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(1)).astype(np.int64)
+
+
+def source_salt(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
 def parse_shard(spec: str) -> tuple[int, int]:

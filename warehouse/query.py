@@ -78,13 +78,13 @@ def base_view_sql(root: Path, manifest: dict) -> list[str]:
         files = sorted(
             str(root / e["files"][table]) for e in manifest["entries"].values() if table in e["files"]
         )
-        cols = ", ".join(f.name for f in arrow_schema)
+        cols = ", ".join(f'"{f.name}"' for f in arrow_schema)
         if files:
             file_list = "[" + ", ".join(_sql_str(f) for f in files) + "]"
             src = f"SELECT {cols} FROM read_parquet({file_list}, hive_partitioning = false, union_by_name = true)"
         else:
             src = "SELECT " + ", ".join(
-                f"CAST(NULL AS {schema.duckdb_type(f.type)}) AS {f.name}" for f in arrow_schema
+                f'CAST(NULL AS {schema.duckdb_type(f.type)}) AS "{f.name}"' for f in arrow_schema
             ) + " WHERE false"
         statements.append(f"CREATE OR REPLACE VIEW {table} AS {src};")
     runs = root / store.RUNS_FILE
@@ -145,3 +145,29 @@ def sql(query: str, warehouse: str | Path = "warehouse"):
 def view(name: str, warehouse: str | Path = "warehouse"):
     """One view (e.g. "avg_intra_sim") as a Polars DataFrame."""
     return sql(f"SELECT * FROM {name}", warehouse)
+
+
+def isoscore_star(zeta: float, warehouse: str | Path = "warehouse"):
+    """IsoScore* (Rudman et al.) with shrinkage toward C₀ = I: the IsoScore of (1 − ζ)C + ζI, whose
+    eigenvalues are (1 − ζ)λ + ζ.  Columns: model, checkpoint, step, source, layer, n, zeta, isoscore_star.
+
+    Example: isoscore_star(0.1, "warehouse")
+    """
+    if not 0 <= zeta <= 1:
+        raise UserError(f"zeta must lie in [0, 1], got {zeta}")
+    z = float(zeta)
+    return sql(f"""
+        WITH s AS (
+            SELECT model, checkpoint, step, source, layer, n, (1 - {z}) * eigenvalue + {z} AS ev,
+                   count(*) OVER w AS d
+            FROM spectrum WINDOW w AS (PARTITION BY model, checkpoint, source, layer)
+        ), s2 AS (
+            SELECT *, sqrt(sum(ev * ev) OVER (PARTITION BY model, checkpoint, source, layer)) AS norm FROM s
+        ), delta AS (
+            SELECT model, checkpoint, any_value(step) AS step, source, layer, any_value(n) AS n, any_value(d) AS d,
+                   sqrt(sum(power(ev * sqrt(d) / norm - 1, 2))) / sqrt(2 * (any_value(d) - sqrt(any_value(d)))) AS delta
+            FROM s2 GROUP BY model, checkpoint, source, layer
+        )
+        SELECT model, checkpoint, step, source, layer, n, {z} AS zeta,
+               (power(d - delta * delta * (d - sqrt(d)), 2) - d) / (d * (d - 1.0)) AS isoscore_star
+        FROM delta ORDER BY model, checkpoint, source, layer""", warehouse)

@@ -66,6 +66,35 @@ LAYER_SUMS = pa.schema(
     ]
 )
 
+# Per (model, checkpoint, source, shard, layer): raw moments (--moments), float64.
+# s2 and s_cross are d×d matrices, row-major; s_cross = Σ h_layer h_{layer+1}ᵀ over the n_pair tokens
+# counted in both layers (NULL for the last layer).
+MOMENTS = pa.schema(
+    _KEY_DATA
+    + [
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("n", pa.int64(), nullable=False),
+        pa.field("s1", pa.list_(pa.float64()), nullable=False),
+        pa.field("s2", pa.list_(pa.float64()), nullable=False),
+        pa.field("n_pair", pa.int64()),
+        pa.field("s_cross", pa.list_(pa.float64())),
+    ]
+)
+
+# Per (model, checkpoint, source, shard, layer, key): the bottom-k sample (--sample K) of raw
+# token vectors; key = 63-bit hash of (source, document, position), the same in every layer.
+SAMPLES = pa.schema(
+    _KEY_DATA
+    + [
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("key", pa.int64(), nullable=False),
+        pa.field("document", pa.int64(), nullable=False),
+        pa.field("position", pa.int64(), nullable=False),
+        pa.field("token_id", pa.int32(), nullable=False),
+        pa.field("vec", pa.list_(pa.float32()), nullable=False),
+    ]
+)
+
 # Per (model, checkpoint, matrix, centered, eigenvector): log Z(±c) for the eigenvectors c of WᵀW.
 # log_z_pos / log_z_neg: float64 log-sum-exp; z_eigh_sign: Z(c) with the sign torch.linalg.eigh
 # returned, computed in float32 as the authors' script does (may be +inf).
@@ -107,14 +136,44 @@ VOCAB = pa.schema(
     ]
 )
 
+# Derived tables (warehouse/derived.py), recomputed from the tables above whenever a
+# (model, checkpoint)'s data changes; source = 'all' holds the merge of every source.
+_KEY_DERIVED = _KEY_PARAMS + [pa.field("source", pa.string(), nullable=False), pa.field("layer", pa.int16(), nullable=False)]
+SPECTRUM = pa.schema(_KEY_DERIVED + [
+    pa.field("n", pa.int64(), nullable=False),
+    pa.field("k", pa.int32(), nullable=False),  # 1 = largest
+    pa.field("eigenvalue", pa.float64(), nullable=False),  # of the covariance (n − 1 denominator)
+])
+DIM_VARIANCE = pa.schema(_KEY_DERIVED + [
+    pa.field("dim", pa.int32(), nullable=False),
+    pa.field("mean", pa.float64(), nullable=False),
+    pa.field("variance", pa.float64(), nullable=False),
+])
+LAYER_METRICS = pa.schema(_KEY_DERIVED + [
+    pa.field("n", pa.int64(), nullable=False),
+    pa.field("linearity", pa.float64()),  # to layer + 1
+    pa.field("linearity_centered", pa.float64()),
+    pa.field("sample_size", pa.int64()),
+    pa.field("twonn", pa.float64()),
+    pa.field("twonn_skdim", pa.float64()),
+    pa.field("types", pa.int64()),  # token types with n ≥ 1
+    pa.field("types_sum_sq", pa.float64()),  # ‖Σ_t s_t/‖s_t‖‖² over those types
+])
+
 TABLES: dict[str, pa.Schema] = {
     "token_sums": TOKEN_SUMS,
     "layer_sums": LAYER_SUMS,
+    "moments": MOMENTS,
+    "samples": SAMPLES,
+    "spectrum": SPECTRUM,
+    "dim_variance": DIM_VARIANCE,
+    "layer_metrics": LAYER_METRICS,
     "partition_fn": PARTITION_FN,
     "norm_params": NORM_PARAMS,
     "vocab": VOCAB,
 }
-DATA_TABLES = ("token_sums", "layer_sums")
+DATA_TABLES = ("token_sums", "layer_sums", "moments", "samples")
+DERIVED_TABLES = ("spectrum", "dim_variance", "layer_metrics")
 PARAM_TABLES = ("partition_fn", "norm_params", "vocab")
 
 # Manifest entries, flattened into the `runs` view.

@@ -39,7 +39,7 @@ def new_run_id() -> str:
 
 def partition_dir(table: str, values: dict[str, str]) -> str:
     """Relative directory of one partition; values are percent-encoded (no '/' or '..' escape)."""
-    keys = schema.DATA_PARTITIONS if table in schema.DATA_TABLES else schema.PARAM_PARTITIONS
+    keys = schema.DATA_PARTITIONS if table in schema.DATA_TABLES else schema.PARAM_PARTITIONS  # derived: per checkpoint
     parts = [f"{k}={quote(str(values[k]), safe='')}" for k in keys]
     return "/".join(["tables", table, *parts])
 
@@ -137,22 +137,35 @@ def check_compatible(manifest: dict, model: str, hidden_size: int) -> None:
             )
 
 
-def commit(root: Path, entries: list[dict]) -> list[str]:
-    """Add or replace manifest entries atomically; returns the files no entry lists any more."""
+def commit(root: Path, entries: list[dict], derive: bool = True) -> list[str]:
+    """Add or replace manifest entries atomically, then bring the derived tables of the touched
+    (model, checkpoint)s up to date; returns the files no entry lists any more."""
     root = Path(root)
     with locked(root):
         manifest = read_manifest(root)
         for e in entries:
             check_compatible(manifest, e["model"], e["hidden_size"])
-        old_files = {f for e in manifest["entries"].values() for f in e["files"].values()}
-        for e in entries:
-            manifest["entries"][e["key"]] = e
-        live = {f for e in manifest["entries"].values() for f in e["files"].values()}
-        atomic_write_bytes(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-        write_runs_table(root, manifest)
-        from .query import write_views_file  # views depend on the manifest, not the reverse
+        stale = commit_locked(root, manifest, entries)
+    if derive and any(e["kind"] == "data" for e in entries):
+        from .derived import ensure_derived
 
-        write_views_file(root, manifest)
+        ensure_derived(root, {(e["model"], e["checkpoint"]) for e in entries if e["kind"] == "data"})
+    return stale
+
+
+def commit_locked(root: Path, manifest: dict, entries: list[dict], remove: list[str] = ()) -> list[str]:
+    """The commit itself; the caller holds `locked(root)` and read `manifest` under it."""
+    old_files = {f for e in manifest["entries"].values() for f in e["files"].values()}
+    for e in entries:
+        manifest["entries"][e["key"]] = e
+    for key in remove:
+        manifest["entries"].pop(key, None)
+    live = {f for e in manifest["entries"].values() for f in e["files"].values()}
+    atomic_write_bytes(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    write_runs_table(root, manifest)
+    from .query import write_views_file  # views depend on the manifest, not the reverse
+
+    write_views_file(root, manifest)
     stale = sorted(old_files - live)
     for rel in stale:
         with contextlib.suppress(FileNotFoundError):
