@@ -67,14 +67,31 @@ def twonn_microscope(X: np.ndarray, reduction_factor: int = 5, eps: float = 1e-8
     n = len(mu)
     f_emp = np.arange(1 + useless, n + 1 + useless) / (n + useless)
     k = min(n // reduction_factor, n - 1)
-    x, y = np.log(mu)[:k], -np.log(1 - f_emp)[:k]
-    return float((x * y).sum() / (x * x).sum())
+    with np.errstate(divide="ignore", invalid="ignore"):  # NaN where the oracle gives NaN too
+        x, y = np.log(mu)[:k], -np.log(1 - f_emp)[:k]
+        return float((x * y).sum() / (x * x).sum())
+
+
+def _nn_distances_gram(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """As scikit-learn's `pairwise_distances` (which scikit-dimension uses when d > 25): distances
+    from the Gram matrix, ‖x‖² + ‖y‖² − 2⟨x, y⟩ clipped at 0, the diagonal set to 0."""
+    sq = np.einsum("ij,ij->i", X, X)
+    D = -2.0 * (X @ X.T)
+    D += sq[:, None]
+    D += sq[None, :]
+    np.maximum(D, 0, out=D)
+    np.fill_diagonal(D, 0)
+    D = np.sort(np.sqrt(D), axis=1)
+    return D[:, 1], D[:, 2]
 
 
 def twonn_skdim(X: np.ndarray, discard_fraction: float = 0.1) -> float:
     """TwoNN as scikit-dimension's `TwoNN()` (Facco et al. 2017): ratios μ of all points (those
-    with r₁ = 0 dropped), the largest 10 % discarded, F = i/N, slope through the origin."""
-    r1, r2 = _nn_distances(X)
+    with r₁ = 0 dropped), the largest 10 % discarded, F = i/N, slope through the origin.  TwoNN
+    reacts to tiny changes of near-duplicate distances, so the distances are computed as
+    scikit-dimension computes them (Gram matrix for d > 25, exact below)."""
+    X = np.asarray(X, dtype=np.float64)
+    r1, r2 = _nn_distances_gram(X) if X.shape[1] > 25 else _nn_distances(X)
     with np.errstate(divide="ignore", invalid="ignore"):
         mu = r2 / r1
     mu = mu[np.isfinite(mu)]
@@ -82,8 +99,9 @@ def twonn_skdim(X: np.ndarray, discard_fraction: float = 0.1) -> float:
     keep = int(N * (1 - discard_fraction))
     mu = np.sort(mu)[:keep]
     f = np.arange(1, keep + 1) / N
-    x, y = np.log(mu), -np.log(1 - f)
-    return float((x * y).sum() / (x * x).sum())
+    with np.errstate(divide="ignore", invalid="ignore"):
+        x, y = np.log(mu), -np.log(1 - f)
+        return float((x * y).sum() / (x * x).sum())
 
 
 def _read(root: Path, files: list[str], columns=None) -> list[dict]:

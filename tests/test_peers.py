@@ -1,0 +1,214 @@
+"""The peers' isotropy measures from the same single pass, each against its authors' package
+(llm-microscope, IsoScore, scikit-dimension) on the very same vectors, plus synthetic known answers."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+import reference as ref
+from conftest import run_cli
+from warehouse.derived import covariance, cross_covariance, linearity_from_cov
+from warehouse.query import connect, isoscore_star, load_metrics
+
+MAXLEN = 32
+
+
+def microscope():
+    """llm-microscope 0.0.7's __init__ fails to import (`from logit_lens import *`): load functions.py by path."""
+    spec = importlib.util.find_spec("llm_microscope")
+    path = spec.submodule_search_locations[0] + "/functions.py"
+    module_spec = importlib.util.spec_from_file_location("llm_microscope_functions", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def peers(workdir, sources, model_factory):
+    """Two sources, alpha split into 2 shards, moments and a sample larger than the data (so the
+    sample holds every vector and the oracles see exactly the same points)."""
+    path = model_factory("gpt_neox", tied=False)
+    wh = workdir / "peers-wh"
+    a, b = f"alpha={sources['alpha']}", f"beta={sources['beta']}"
+    for args in (["--source", a, "--shard", "1/2"], ["--source", a, "--shard", "2/2"], ["--source", b]):
+        code, _, err = run_cli("extract", "--model", path, *args, "--warehouse", wh, "--max-length", MAXLEN,
+                               "--moments", "--sample", 100000)
+        assert code == 0, err
+    texts = {"alpha": ref.source_texts(sources["alpha"]), "beta": ref.source_texts(sources["beta"])}
+    states = {
+        "all": ref.hidden_states(str(path), texts["alpha"] + texts["beta"], MAXLEN),
+        "alpha": ref.hidden_states(str(path), texts["alpha"], MAXLEN),
+        "beta": ref.hidden_states(str(path), texts["beta"], MAXLEN),
+    }
+    return {"wh": wh, "states": states, "con": connect(wh)}
+
+
+def view(peers, name, value):
+    rows = peers["con"].execute(f"SELECT source, layer, {value} FROM {name}").fetchall()
+    return {(s, layer): v for s, layer, v in rows}
+
+
+SOURCES = ["all", "alpha", "beta"]
+
+
+def test_anisotropy_equals_llm_microscope(peers):
+    got = view(peers, "anisotropy", "anisotropy")
+    f = microscope()
+    for source in SOURCES:
+        for layer, (_, X) in peers["states"][source].items():
+            assert got[(source, layer)] == pytest.approx(f.calculate_anisotropy_torch(torch.tensor(X)), rel=1e-6)
+
+
+def test_isoscore_equals_the_isoscore_package(peers):
+    from IsoScore import IsoScore
+
+    got = view(peers, "isoscore", "isoscore")
+    for source in SOURCES:
+        for layer, (_, X) in peers["states"][source].items():
+            want = float(IsoScore.IsoScore(X))
+            assert got[(source, layer)] == pytest.approx(want, rel=1e-6, abs=1e-9)
+
+
+def test_isoscore_star_equals_the_package_with_identity_shrinkage(peers):
+    from IsoScore import IsoScore
+
+    df = isoscore_star(0.3, peers["wh"])
+    got = {(r["source"], r["layer"]): r["isoscore_star"] for r in df.iter_rows(named=True)}
+    X = peers["states"]["all"][2][1]
+    want = float(IsoScore.istar().IsoScore_star(X, torch.eye(X.shape[1], dtype=torch.float64), 0.3))
+    assert got[("all", 2)] == pytest.approx(want, rel=1e-6)
+
+
+def test_pca_spectrum_effective_rank_and_outlier_dims_equal_numpy(peers):
+    con = peers["con"]
+    for source in SOURCES:
+        for layer, (_, X) in peers["states"][source].items():
+            C = np.cov(X.T)
+            want = np.sort(np.linalg.eigvalsh(C))[::-1]
+            got = [r[0] for r in con.execute(
+                "SELECT eigenvalue FROM pca_spectrum WHERE source = ? AND layer = ? ORDER BY k", [source, layer]).fetchall()]
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-12 * want[0])
+            p = np.clip(want, 0, None) / np.clip(want, 0, None).sum()
+            erank = np.exp(-(p[p > 0] * np.log(p[p > 0])).sum())
+            assert view(peers, "effective_rank", "effective_rank")[(source, layer)] == pytest.approx(erank, rel=1e-6)
+            share = np.diag(C) / np.trace(C)
+            got_share = [r[0] for r in con.execute(
+                "SELECT share FROM outlier_dims WHERE source = ? AND layer = ? ORDER BY dim", [source, layer]).fetchall()]
+            np.testing.assert_allclose(got_share, share, rtol=1e-6)
+
+
+def test_linearity_equals_procrustes_similarity(peers):
+    f = microscope()
+    got = view(peers, "linearity", "linearity")
+    got_c = view(peers, "linearity", "linearity_centered")
+    for source in SOURCES:
+        st = peers["states"][source]
+        for layer in range(len(st) - 1):
+            x, y = torch.tensor(st[layer][1]), torch.tensor(st[layer + 1][1])
+            assert got[(source, layer)] == pytest.approx(f.procrustes_similarity(x, y), rel=1e-6)
+            # 0.0.7's procrustes_similarity_centered returns None (its last line is `sim = float`);
+            # it is procrustes_similarity(x, y − x), which is what it computes up to there.
+            assert f.procrustes_similarity_centered(x, y) is None
+            assert got_c[(source, layer)] == pytest.approx(f.procrustes_similarity(x, y - x), rel=1e-6)
+    assert (("all", len(peers["states"]["all"]) - 1)) not in got  # the last layer has no successor
+
+
+def test_intrinsic_dimension_equals_both_implementations(peers):
+    """On the very vectors of the merged sample (read back from the warehouse): TwoNN is a
+    nearest-neighbour statistic, so the oracles must see the same float32-stored points."""
+    import skdim
+
+    f = microscope()
+    got = view(peers, "intrinsic_dim", "twonn")
+    got_sk = view(peers, "intrinsic_dim", "twonn_skdim")
+    sizes = view(peers, "intrinsic_dim", "sample_size")
+    con = peers["con"]
+    for source in SOURCES:
+        where = "" if source == "all" else f"AND source = '{source}'"
+        for layer, (_, X) in peers["states"][source].items():
+            rows = con.execute(f"SELECT vec FROM samples WHERE layer = ? {where} ORDER BY key", [layer]).fetchall()
+            S = np.array([r[0] for r in rows], dtype=np.float64)
+            assert sizes[(source, layer)] == len(S) == len(X)  # K exceeds the data: every vector
+            np.testing.assert_allclose(np.sort(S, axis=None), np.sort(X, axis=None), atol=1e-4)
+            want = f.intrinsic_dimension(torch.tensor(S), "cpu")  # NaN for both where vectors repeat (layer 0)
+            assert got[(source, layer)] == pytest.approx(want, rel=1e-6, nan_ok=True)
+            if layer > 0:  # layer 0 repeats vectors (r1 = 0): skdim warns and drops them, as we do
+                assert got_sk[(source, layer)] == pytest.approx(skdim.id.TwoNN().fit(S).dimension_, rel=1e-6)
+
+
+def test_inter_sim_types_equals_pairwise_cosines_of_type_means(peers):
+    got = view(peers, "inter_sim_types", "inter_sim_types")
+    for source in SOURCES:
+        for layer, (ids, X) in peers["states"][source].items():
+            U = X / np.linalg.norm(X, axis=1, keepdims=True)
+            means = np.stack([U[ids == t].mean(0) for t in np.unique(ids)])
+            assert got[(source, layer)] == pytest.approx(ref.mean_pairwise_cosine(means), abs=1e-6)
+
+
+def test_sample_merges_across_shards_like_a_single_run(workdir, sources, model_factory):
+    path = model_factory("gpt_neox", tied=False)
+    one, two = workdir / "sample-one", workdir / "sample-two"
+    common = ["--model", path, "--source", f"alpha={sources['alpha']}", "--max-length", MAXLEN, "--sample", 40]
+    assert run_cli("extract", *common, "--warehouse", one)[0] == 0
+    for shard in ("1/2", "2/2"):
+        assert run_cli("extract", *common, "--warehouse", two, "--shard", shard)[0] == 0
+    q = "SELECT key, document, position, token_id, vec FROM samples WHERE layer = 2 ORDER BY key"
+    single = connect(one).execute(q + " LIMIT 40").fetchall()
+    merged = connect(two).execute(q + " LIMIT 40").fetchall()
+    assert len(single) == 40 and [r[:4] for r in single] == [r[:4] for r in merged]  # same tokens
+    np.testing.assert_allclose([r[4] for r in single], [r[4] for r in merged], atol=1e-5)  # batching numerics
+    assert connect(one).execute("SELECT count(DISTINCT layer), count(*) FROM samples").fetchall()[0] == (4, 160)
+
+
+def _views_over(spectrum_rows):
+    """The SQL views anisotropy, effective_rank and isoscore over a synthetic spectrum table."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.execute("CREATE TABLE spectrum (model VARCHAR, checkpoint VARCHAR, step BIGINT, source VARCHAR, "
+                "layer SMALLINT, n BIGINT, k INTEGER, eigenvalue DOUBLE)")
+    con.executemany("INSERT INTO spectrum VALUES ('m', 'c', NULL, 'all', 0, 1000, ?, ?)",
+                    [[k, v] for k, v in enumerate(spectrum_rows, 1)])
+    for m in load_metrics():
+        if m.name in ("anisotropy", "effective_rank", "isoscore"):
+            con.execute(f"CREATE VIEW {m.name} AS {m.body}")
+    return {v: con.execute(f"SELECT {v} FROM {v}").fetchall()[0][0] for v in ("anisotropy", "effective_rank", "isoscore")}
+
+
+def test_known_answers_isotropic_and_rank_k():
+    d = 16
+    iso = _views_over([2.0] * d)
+    assert iso["anisotropy"] == pytest.approx(1 / d) and iso["effective_rank"] == pytest.approx(d)
+    assert iso["isoscore"] == pytest.approx(1.0)
+    k = 4
+    low = _views_over([3.0] * k + [0.0] * (d - k))
+    assert low["anisotropy"] == pytest.approx(1 / k) and low["effective_rank"] == pytest.approx(k)
+    from IsoScore import IsoScore
+
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(5000, k)) @ np.linalg.qr(rng.normal(size=(d, d)))[0][:k]  # a rank-4 subspace of R^16
+    spectrum = np.sort(np.linalg.eigvalsh(np.cov(X.T)))[::-1]
+    # (IsoScore takes sqrt(d) of an int64 tensor, i.e. in float32: agreement to ~1e-7)
+    assert _views_over(list(spectrum))["isoscore"] == pytest.approx(float(IsoScore.IsoScore(X)), rel=1e-6)
+    assert float(IsoScore.IsoScore(X)) < 0.25  # 4 of 16 dimensions used
+    # an isotropic Gaussian sample: close to isotropic by every measure
+    G = rng.normal(size=(20000, d))
+    g = _views_over(list(np.sort(np.linalg.eigvalsh(np.cov(G.T)))[::-1]))
+    assert g["isoscore"] > 0.99 and g["anisotropy"] < 1.2 / d and g["effective_rank"] > 0.99 * d
+
+
+def test_known_answer_exactly_linear_layer_pair():
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(500, 8)) + 3.0
+    Y = X @ rng.normal(size=(8, 8)) + 1.5  # affine: linear after centring
+    n = len(X)
+    cxx, cyy = covariance(n, X.sum(0), X.T @ X), covariance(n, Y.sum(0), Y.T @ Y)
+    cxy = cross_covariance(n, X.sum(0), Y.sum(0), X.T @ Y)
+    assert linearity_from_cov(cxx, cyy, cxy) == pytest.approx(1.0, abs=1e-10)
+    Z = rng.normal(size=(500, 8))  # unrelated: ~ d/n
+    czz, cxz = covariance(n, Z.sum(0), Z.T @ Z), cross_covariance(n, X.sum(0), Z.sum(0), X.T @ Z)
+    assert linearity_from_cov(cxx, czz, cxz) < 0.05
