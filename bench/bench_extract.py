@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from extract.accumulate import TokenSums  # noqa: E402
+from extract.accumulate import Moments, Sample, TokenSums  # noqa: E402
 from extract.architectures import get_module  # noqa: E402
 from extract.hooks import capture_layers, layer_kinds  # noqa: E402
 from extract.models import DTYPES, load, resolve_model  # noqa: E402
@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="passes over the batches")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    ap.add_argument("--moments", action="store_true", help="also accumulate Σh, Σhhᵀ and cross moments")
+    ap.add_argument("--sample", type=int, default=0, help="also keep a bottom-k sample of K vectors per layer")
     ap.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
                     help="also time writing the sums and report bytes per checkpoint")
     args = ap.parse_args()
@@ -85,6 +87,11 @@ def main() -> None:
         mask = torch.ones_like(batches[0])
         counted = torch.ones_like(batches[0], dtype=torch.bool)
         acc = TokenSums(len(kinds), args.vocab, args.hidden, args.device)
+        if args.moments:
+            acc.moments = Moments(len(kinds), args.hidden, args.device)
+        if args.sample:
+            acc.sample = Sample(len(kinds), args.sample, args.hidden)
+        rng = np.random.default_rng(1)
         sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
         def bare(ids):
@@ -92,6 +99,9 @@ def main() -> None:
 
         def extract(ids):
             acc.set_batch(ids, counted)
+            if acc.sample is not None:
+                m = ids.numel()
+                acc.sample.set_batch(torch.from_numpy(rng.integers(0, 2**62, m)), torch.zeros(m, 3, dtype=torch.long))
             with capture_layers(model, fam, acc.add):
                 base(input_ids=ids, attention_mask=mask, use_cache=False)
 
@@ -113,7 +123,8 @@ def main() -> None:
                             t_ext += dt
         tokens = args.repeats * args.batches * args.batch * args.seq
         print(f"model: GPT-NeoX hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
-              f"{args.device} {args.dtype}; threads {torch.get_num_threads()}")
+              f"{args.device} {args.dtype}; threads {torch.get_num_threads()}; "
+              f"moments {'on' if args.moments else 'off'}, sample {args.sample}")
         print(f"batches: {args.batches} x ({args.batch} x {args.seq}) tokens, {args.repeats} passes, {tokens} tokens each")
         print(f"bare forward : {tokens / t_bare:10.0f} tok/s  ({t_bare:.2f} s)")
         print(f"extraction   : {tokens / t_ext:10.0f} tok/s  ({t_ext:.2f} s)")

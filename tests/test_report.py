@@ -31,6 +31,11 @@ CHART_VIEWS = {
     "fig10_inter_sim_heatmap": ("inter_sim", ["model", "checkpoint", "layer"], ["inter_sim"]),
     "fig11_inter_sim_by_source": ("inter_sim_by_source", ["model", "checkpoint", "source", "layer"], ["inter_sim"]),
     "table1_contextualised_tokens": ("intra_sim", ["model", "checkpoint", "layer", "token_id"], ["n", "intra_sim", "token"]),
+    "fig12_anisotropy_by_layer": ("anisotropy", ["model", "checkpoint", "source", "layer"], ["anisotropy"]),
+    "fig13_anisotropy_training": ("anisotropy", ["model", "checkpoint", "source", "layer"], ["anisotropy"]),
+    "fig14_intrinsic_dim_by_layer": ("intrinsic_dim", ["model", "checkpoint", "source", "layer"], []),
+    "fig15_intrinsic_dim_training": ("intrinsic_dim", ["model", "checkpoint", "source", "layer"], ["twonn", "twonn_skdim"]),
+    "fig16_linearity_by_layer": ("linearity", ["model", "checkpoint", "source", "layer"], []),
 }
 
 
@@ -45,7 +50,8 @@ def trained(workdir, sources):
                                "--batch-size", 4)
         assert code == 0, err
         code, _, err = run_cli("extract", "--model", out, "--checkpoints", "all", "--source",
-                               f"alpha={sources['alpha']}", "--source", f"beta={sources['beta']}", "--warehouse", wh)
+                               f"alpha={sources['alpha']}", "--source", f"beta={sources['beta']}", "--warehouse", wh,
+                               "--moments", "--sample", 200)
         assert code == 0, err
     return wh
 
@@ -75,6 +81,13 @@ def test_chart_data_equals_the_view(full_report, trained, fig):
     chart = pl.read_csv(full_report / f"{fig}.csv", infer_schema_length=None)
     truth = connect(trained).sql(f"SELECT * FROM {view}").pl()
     assert chart.height > 0
+    if "measure" in chart.columns:  # two measures in one column (solid and dashed lines)
+        value, wide = chart.columns[-1], None
+        values = sorted(chart["measure"].unique().to_list())
+        for m in values:
+            part = chart.filter(pl.col("measure") == m).select(keys + [pl.col(value).alias(m)])
+            wide = part if wide is None else wide.join(part, on=keys)
+        chart = wide
     joined = chart.select(keys + values).join(truth.select(keys + values), on=keys, how="left", suffix="_view")
     for v in values:
         a, b = joined[v], joined[f"{v}_view"]
@@ -88,6 +101,8 @@ def test_chart_data_equals_the_view(full_report, trained, fig):
 def test_training_figures_use_every_step_and_the_last_layer(full_report, trained):
     df = pl.read_csv(full_report / "fig3_inter_sim_training.csv")
     assert sorted(df.filter(pl.col("model") == "micro-tied")["step"].to_list()) == [0, 4, 8]
+    lin = pl.read_csv(full_report / "fig16_linearity_by_layer.csv")
+    assert set(lin["measure"].to_list()) == {"linearity", "linearity_centered"}
     assert set(df["layer"].to_list()) == {3}  # 2 blocks + final norm
     f1 = pl.read_csv(full_report / "fig1_inter_sim_by_layer.csv")
     assert set(f1["checkpoint"].to_list()) == {"step8"}  # the final checkpoint
@@ -101,7 +116,7 @@ def test_empty_warehouse_explains_itself(workdir):
     assert code == 0, err
     page = (out / "index.html").read_text()
     assert page.count("class='missing'") == len(rep.FIGURES)
-    assert "no token data in the warehouse" in page and "0 of 12 figures drawn" in err
+    assert "no token data in the warehouse" in page and f"0 of {len(rep.FIGURES)} figures drawn" in err
 
 
 def test_partial_warehouse_draws_what_it_can(workdir, model_factory):

@@ -366,10 +366,85 @@ def fig_tokens(d: Data) -> Figure:
     return f
 
 
+def _peer_by_layer(d: Data, fid: str, title: str, caption: str, view: str, value: str, y_title: str,
+                   tips: list[str], dash_values: list[str] | None = None) -> Figure:
+    f = Figure(fid, title, caption)
+    df = d.final(view, "source = 'all'", order="model, layer")
+    if df.is_empty():
+        f.missing = f"no data for {view} (extract with {PEER_FLAGS[view]})"
+        return f
+    if dash_values:  # two measures of one quantity, solid and dashed, in one column `value`
+        df = df.unpivot(index=["model", "checkpoint", "step", "source", "layer"], on=dash_values,
+                        variable_name="measure", value_name=value)
+        f.chart = _line(df, "layer", "Layer index (0 = embedding)", value, y_title,
+                        ["model", "checkpoint", "layer", "measure", value], dash="measure", dash_title="Measure",
+                        dash_order=dash_values)
+    else:
+        f.chart = _line(df, "layer", "Layer index (0 = embedding)", value, y_title, tips)
+    f.data = df
+    return f
+
+
+def _peer_training(d: Data, fid: str, title: str, caption: str, view: str, value: str, y_title: str,
+                   tips: list[str]) -> Figure:
+    f = Figure(fid, title, caption)
+    df = d.training(view, "source = 'all'", order="model, step, layer")
+    if df.is_empty():
+        f.missing = _training_missing(view) + f" (extract with {PEER_FLAGS[view]})"
+        return f
+    df = _last_layer(df)
+    f.chart = _line(df, "step", "Training step", value, y_title, tips)
+    f.data = df
+    return f
+
+
+PEER_FLAGS = {"anisotropy": "--moments", "linearity": "--moments", "intrinsic_dim": "--sample K"}
+
+
+def fig_anisotropy_layers(d: Data) -> Figure:
+    return _peer_by_layer(
+        d, "fig12_anisotropy_by_layer", "Anisotropy per layer (Razzhigaev et al.)",
+        "λ_max / Σλ of the covariance of each layer's hidden states (all sources, final checkpoint).",
+        "anisotropy", "anisotropy", "Anisotropy (largest eigenvalue share)",
+        ["model", "checkpoint", "layer", "n", "anisotropy"])
+
+
+def fig_anisotropy_training(d: Data) -> Figure:
+    return _peer_training(
+        d, "fig13_anisotropy_training", "Anisotropy of the last layer during training",
+        "λ_max / Σλ of the last layer's hidden states at each checkpoint.", "anisotropy", "anisotropy",
+        "Anisotropy (largest eigenvalue share)", ["model", "checkpoint", "step", "layer", "anisotropy"])
+
+
+def fig_intrinsic_dim_layers(d: Data) -> Figure:
+    return _peer_by_layer(
+        d, "fig14_intrinsic_dim_by_layer", "Intrinsic dimension per layer (TwoNN)",
+        "TwoNN on the bottom-k sample of each layer: llm-microscope's estimator (solid) and "
+        "scikit-dimension's (dashed); final checkpoint, all sources.",
+        "intrinsic_dim", "dimension", "Intrinsic dimension (TwoNN)", [], ["twonn", "twonn_skdim"])
+
+
+def fig_intrinsic_dim_training(d: Data) -> Figure:
+    return _peer_training(
+        d, "fig15_intrinsic_dim_training", "Intrinsic dimension of the last layer during training",
+        "TwoNN (llm-microscope's estimator) on the last layer's sample at each checkpoint.", "intrinsic_dim",
+        "twonn", "Intrinsic dimension (TwoNN)", ["model", "checkpoint", "step", "layer", "sample_size", "twonn"])
+
+
+def fig_linearity_layers(d: Data) -> Figure:
+    return _peer_by_layer(
+        d, "fig16_linearity_by_layer", "Linearity of each layer's map to the next",
+        "1 − ‖X̃A − Ỹ‖² for layer l → l + 1 over all tokens (solid), and between X and Y − X (dashed); "
+        "final checkpoint, all sources.",
+        "linearity", "score", "Linearity score", [], ["linearity", "linearity_centered"])
+
+
 FIGURES = [
     fig_inter_sim_layers, fig_avg_intra_layers, fig_inter_sim_training, fig_avg_intra_training,
     lambda d: fig_isotropy(d, "unembedding", 5), lambda d: fig_isotropy(d, "embedding", 6),
     fig_isotropy_training, fig_layernorm, fig_layernorm_training, fig_heatmap, fig_by_source, fig_tokens,
+    fig_anisotropy_layers, fig_anisotropy_training, fig_intrinsic_dim_layers, fig_intrinsic_dim_training,
+    fig_linearity_layers,
 ]
 
 
