@@ -40,6 +40,7 @@ def extract(
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: bfloat16 on cuda, float32 on cpu)."),
     shard: str = typer.Option("1/1", help="I/N: process a deterministic 1/N of each source's documents."),
     pile_set: Optional[str] = typer.Option(None, help="Keep only Pile documents with this meta.pile_set_name."),
+    encoding_errors: str = typer.Option("strict", help="Lines that are not UTF-8: strict (fail, naming the line) | replace | skip (both counted)."),
     vector_dtype: str = typer.Option("float32", help="Storage of per-token sum vectors: float32 | float64 (exact merges, 2x bytes) | float16 (half the bytes)."),
     params_only: bool = typer.Option(False, "--params-only", help="Write only the parameter tables (no data)."),
     accumulator_device: Optional[str] = typer.Option(None, help="Where the float64 sums live (default: --device); 'cpu' frees GPU memory for big models."),
@@ -78,7 +79,7 @@ def extract(
                 raise UserError(f"{name} must be at least 1")
         if not source and not params_only:
             raise UserError("give at least one --source NAME=PATH (or --params-only)")
-        sources = [parse_source(s, pile_set) for s in source or []]
+        sources = [parse_source(s, pile_set, encoding_errors) for s in source or []]
         if len({s.name for s in sources}) != len(sources):
             raise UserError("--source names must be distinct")
         ref = resolve_model(model)
@@ -144,6 +145,28 @@ def sql(
         for r in text:
             typer.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)))
         typer.echo(f"({len(rows)} rows)", err=True)
+
+
+@app.command()
+def validate(warehouse: Path = WAREHOUSE, fix: bool = typer.Option(False, "--fix", help="Remove orphaned files, recompute stale derived tables, rewrite views.sql.")):
+    """Check every file of the warehouse against the schema and the manifest.
+
+    Example: python cli.py validate --warehouse warehouse --fix
+    """
+    from warehouse.validate import validate as run_validate
+
+    try:
+        if not warehouse.is_dir():
+            raise UserError(f"{warehouse}: no such warehouse directory")
+        problems = run_validate(warehouse, fix)
+    except UserError as e:
+        fail(str(e))
+    for p in problems:
+        typer.echo(p)
+    if problems:
+        typer.echo(f"{len(problems)} problem(s) in {warehouse}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{warehouse}: ok", err=True)
 
 
 @app.command()

@@ -8,6 +8,7 @@ also name a sub-directory (`DIR/step100`, as `cli.py train` writes them).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -137,6 +138,14 @@ def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
     where, revision = _where(ref, checkpoint)
     if ref.local and not any(Path(where).glob("*.safetensors")) and not any(Path(where).glob("*.bin")):
         raise UserError(f"{where}: model directory has no weights (*.safetensors or *.bin)")
+    config_file = Path(where) / "config.json"
+    if ref.local and not trust_remote_code and config_file.exists():
+        try:
+            auto_map = json.loads(config_file.read_text()).get("auto_map")
+        except (ValueError, AttributeError):
+            raise UserError(f"{config_file}: not a valid JSON config") from None
+        if auto_map:
+            raise UserError(f"{where}: the model uses custom code (auto_map); pass --trust-remote-code to run it")
     common = {"revision": revision, "trust_remote_code": trust_remote_code}
     try:
         config = AutoConfig.from_pretrained(where, **common)

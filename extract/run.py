@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from warehouse import schema, store
 
+from . import faults
 from .accumulate import Moments, Sample, TokenSums
 from .architectures import get_module
 from .errors import UserError
@@ -67,6 +68,7 @@ class SourceResult:
     nonfinite: int = 0
     zero: int = 0
     replaced_lines: int = 0
+    skipped_lines: int = 0
     filtered: int = 0
     seconds: float = 0.0
     files: dict = field(default_factory=dict)
@@ -219,6 +221,7 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
                 keys = torch.from_numpy(position_keys(salt, w[:, 0].numpy(), w[:, 1].numpy()))
                 acc.sample.set_batch(keys, torch.cat([w, input_ids[counted].cpu()[:, None]], 1))
             base(input_ids=input_ids, attention_mask=mask, **kwargs)
+            faults.hit("forward")
             n = int(counted.sum())
             result.tokens += n
             result.windows += input_ids.shape[0]
@@ -227,6 +230,7 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
     result.seconds = time.perf_counter() - start
     result.documents = stats.documents
     result.replaced_lines = stats.replaced_lines
+    result.skipped_lines = stats.skipped_lines
     result.filtered = stats.filtered
     result.nonfinite = int(acc.nonfinite.sum())
     result.zero = int(acc.zero.sum())
@@ -403,6 +407,8 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: 
                 results.append(result)
                 if result.replaced_lines:
                     log(f"warning: {source.name}: {result.replaced_lines} lines had bytes that are not UTF-8 (replaced with U+FFFD)")
+                if result.skipped_lines:
+                    log(f"warning: {source.name}: {result.skipped_lines} lines had bytes that are not UTF-8 (skipped)")
                 if result.nonfinite:
                     log(f"warning: {source.name}: {result.nonfinite} NaN/inf activations counted and excluded")
             store.commit(root, entries)

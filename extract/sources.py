@@ -22,6 +22,7 @@ from typing import Iterator
 
 import numpy as np
 
+from . import faults
 from .errors import UserError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -33,6 +34,7 @@ class Source:
     name: str
     path: Path | None  # None for a built-in source
     pile_set: str | None = None
+    encoding_errors: str = "strict"  # strict (fail) | replace (U+FFFD) | skip (drop the line)
 
     @property
     def builtin(self) -> bool:
@@ -71,10 +73,13 @@ BUILTIN = {"stdlib-docs": stdlib_docstrings}
 class ReadStats:
     documents: int = 0  # documents yielded (after the shard and --pile-set filters)
     filtered: int = 0  # documents dropped by --pile-set
-    replaced_lines: int = 0  # lines with bytes that were not UTF-8
+    replaced_lines: int = 0  # lines with bytes that were not UTF-8, replaced
+    skipped_lines: int = 0  # lines with bytes that were not UTF-8, dropped
 
 
-def parse_source(spec: str, pile_set: str | None = None) -> Source:
+def parse_source(spec: str, pile_set: str | None = None, encoding_errors: str = "strict") -> Source:
+    if encoding_errors not in ("strict", "replace", "skip"):
+        raise UserError(f"--encoding-errors {encoding_errors!r}: expected strict, replace or skip")
     if spec in BUILTIN:
         return Source(spec, None, pile_set)
     if "=" not in spec:
@@ -95,7 +100,7 @@ def parse_source(spec: str, pile_set: str | None = None) -> Source:
         raise UserError(f"--source {name}: {path}: cannot read ({e.strerror})") from None
     if not str(p).endswith(FORMATS):
         raise UserError(f"--source {name}: {path}: unsupported format (use {', '.join(FORMATS)})")
-    return Source(name, p, pile_set)
+    return Source(name, p, pile_set, encoding_errors)
 
 
 def fingerprint(source: Source) -> str:
@@ -112,25 +117,51 @@ def fingerprint(source: Source) -> str:
     return h.hexdigest()
 
 
-def _decode(raw: bytes, stats: ReadStats) -> str:
+def _decode(raw: bytes, stats: ReadStats, source: Source, lineno: int) -> str | None:
+    """The line as text; None when it is to be skipped."""
     try:
         return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        stats.replaced_lines += 1
-        return raw.decode("utf-8", errors="replace")
+    except UnicodeDecodeError as e:
+        if source.encoding_errors == "replace":
+            stats.replaced_lines += 1
+            return raw.decode("utf-8", errors="replace")
+        if source.encoding_errors == "skip":
+            stats.skipped_lines += 1
+            return None
+        raise UserError(f"{source.path}:{lineno}: bytes that are not UTF-8 ({e.reason} at byte {e.start}); "
+                        "use --encoding-errors replace or skip") from None
+
+
+def _zstd_lines(path: Path) -> Iterator[bytes]:
+    """Lines of a (multi-frame) zstd file; a stream that ends inside a frame is an error."""
+    import zstandard
+
+    dobj, pending, ended = zstandard.ZstdDecompressor().decompressobj(), b"", True
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            while chunk:
+                try:
+                    out = dobj.decompress(chunk)
+                except zstandard.ZstdError as e:
+                    raise UserError(f"{path}: corrupt zstd stream ({e})") from None
+                ended = dobj.eof
+                chunk = dobj.unused_data if ended else b""
+                if ended:
+                    dobj = zstandard.ZstdDecompressor().decompressobj()
+                pending += out
+                *lines, pending = pending.split(b"\n")
+                for line in lines:
+                    yield line + b"\n"
+    if not ended:
+        raise UserError(f"{path}: truncated zstd stream (the file ends inside a frame)")
+    if pending:
+        yield pending
 
 
 def _binary_lines(path: Path) -> Iterator[bytes]:
     name = str(path)
     if name.endswith(".zst"):
-        import zstandard
-
-        with open(path, "rb") as f:
-            reader = zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True)
-            try:
-                yield from io.BufferedReader(reader, 1 << 20)
-            except zstandard.ZstdError as e:
-                raise UserError(f"{path}: corrupt or truncated zstd stream ({e})") from None
+        yield from _zstd_lines(path)
     elif name.endswith(".gz"):
         with gzip.open(path, "rb") as f:
             try:
@@ -149,6 +180,7 @@ def _raw_documents(source: Source, stats: ReadStats) -> Iterator[str]:
     path = source.path
     name = str(path)
     if name.endswith(".parquet"):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         try:
@@ -157,23 +189,29 @@ def _raw_documents(source: Source, stats: ReadStats) -> Iterator[str]:
             raise UserError(f"{path}: not a readable Parquet file ({e})") from None
         if "text" not in pf.schema_arrow.names:
             raise UserError(f"{path}: Parquet file has no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
-        for batch in pf.iter_batches(columns=["text"]):
-            for text in batch.column(0).to_pylist():
-                yield text or ""
+        try:
+            for batch in pf.iter_batches(columns=["text"]):
+                for text in batch.column(0).to_pylist():
+                    yield text if isinstance(text, str) else ""
+        except (pa.ArrowException, OSError) as e:
+            raise UserError(f"{path}: unreadable Parquet data ({str(e)[:200]})") from None
         return
     if name.endswith(".txt"):
-        for raw in _binary_lines(path):
-            text = _decode(raw, stats).strip()
-            if text:
-                yield text
+        for lineno, raw in enumerate(_binary_lines(path), 1):
+            text = _decode(raw, stats, source, lineno)
+            if text and text.strip():
+                yield text.strip()
         return
     for lineno, raw in enumerate(_binary_lines(path), 1):  # JSON lines
         if not raw.strip():
             continue
+        line = _decode(raw, stats, source, lineno)
+        if line is None:
+            continue
         try:
-            obj = json.loads(_decode(raw, stats))
-        except ValueError as e:
-            raise UserError(f"{path}:{lineno}: malformed JSON line ({e})") from None
+            obj = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise UserError(f"{path}:{lineno}: malformed JSON line ({str(e)[:200]})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise UserError(f"{path}:{lineno}: JSON line has no string field 'text'")
         if source.pile_set is not None:
@@ -190,6 +228,7 @@ def indexed_documents(source: Source, shard: tuple[int, int], stats: ReadStats) 
     """(index in the source, text) of the documents of shard I of N (index mod N == I − 1)."""
     i, n = shard
     for index, text in enumerate(_raw_documents(source, stats)):
+        faults.hit("read")
         if index % n != i - 1 or text is None:
             continue
         stats.documents += 1

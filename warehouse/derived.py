@@ -24,6 +24,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from extract import faults
+
 from . import schema, store
 
 
@@ -223,6 +225,21 @@ def compute(root: Path, entries: list[dict], sample_k: int | None) -> dict[str, 
     return out
 
 
+def _inputs(entries: list[dict]) -> list[str]:
+    return sorted(e["run_id"] + ":" + e["key"] for e in entries)
+
+
+def stale_pairs(manifest: dict) -> list[tuple[str, str]]:
+    """(model, checkpoint)s whose derived entry is missing, outdated, or left over."""
+    data = defaultdict(list)
+    for e in manifest["entries"].values():
+        if e["kind"] == "data":
+            data[(e["model"], e["checkpoint"])].append(e)
+    derived = {(e["model"], e["checkpoint"]): e for e in manifest["entries"].values() if e["kind"] == "derived"}
+    out = [p for p, es in data.items() if derived.get(p, {}).get("inputs") != _inputs(es)]
+    return out + [p for p in derived if p not in data]
+
+
 def ensure_derived(root: Path, pairs: set[tuple[str, str]] | None = None) -> int:
     """Recompute the derived entry of every (model, checkpoint) in `pairs` (default: all) whose data
     runs changed since it was computed; returns how many were recomputed."""
@@ -241,7 +258,7 @@ def ensure_derived(root: Path, pairs: set[tuple[str, str]] | None = None) -> int
             if pairs is not None and pair not in pairs:
                 continue
             entries.sort(key=lambda e: (e["source"], e["shard"]))
-            inputs = sorted(e["run_id"] + ":" + e["key"] for e in entries)
+            inputs = _inputs(entries)
             dkey = store.entry_key("derived", *pair)
             old = manifest["entries"].get(dkey)
             if old is not None and old.get("inputs") == inputs:
@@ -269,5 +286,6 @@ def ensure_derived(root: Path, pairs: set[tuple[str, str]] | None = None) -> int
             })
             done += 1
         if new_entries or remove:
+            faults.hit("derive")
             store.commit_locked(root, manifest, new_entries, remove)
     return done

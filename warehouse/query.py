@@ -110,6 +110,7 @@ def write_views_file(root: Path, manifest: dict | None = None) -> Path:
     root = Path(root)
     manifest = manifest if manifest is not None else store.read_manifest(root)
     text = (
+        f"-- generation {manifest.get('generation', 0)}\n"
         "-- Views over this warehouse, regenerated at every commit (python cli.py views rewrites it).\n"
         "-- Open with:  duckdb -init " + str(root.resolve() / store.VIEWS_FILE) + "\n"
         + "\n".join(all_view_sql(root, manifest)) + "\n"
@@ -123,6 +124,11 @@ def connect(root: str | Path = "warehouse") -> duckdb.DuckDBPyConnection:
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root}: no such warehouse directory")
+    store.refresh_companions(root)
+    from .derived import ensure_derived, stale_pairs
+
+    if stale_pairs(store.read_manifest(root)):
+        ensure_derived(root)  # a process died between its data commit and the derived tables
     manifest = store.read_manifest(root)
     con = duckdb.connect()
     for stmt in all_view_sql(root, manifest):

@@ -22,6 +22,7 @@ from urllib.parse import quote
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from extract import faults
 from extract.errors import UserError
 
 from . import schema
@@ -82,9 +83,11 @@ class TableWriter:
 
     def write(self, columns: dict) -> None:
         self._writer.write_table(pa.table(columns, schema=self.schema))
+        faults.hit("write")
 
     def close(self) -> str:
         self._writer.close()
+        faults.hit("close")
         with open(self.tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(self.tmp, self.path)
@@ -161,16 +164,36 @@ def commit_locked(root: Path, manifest: dict, entries: list[dict], remove: list[
     for key in remove:
         manifest["entries"].pop(key, None)
     live = {f for e in manifest["entries"].values() for f in e["files"].values()}
+    manifest["generation"] = manifest.get("generation", 0) + 1
+    faults.hit("manifest")
     atomic_write_bytes(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
-    write_runs_table(root, manifest)
-    from .query import write_views_file  # views depend on the manifest, not the reverse
-
-    write_views_file(root, manifest)
+    faults.hit("views")
+    write_companions(root, manifest)
     stale = sorted(old_files - live)
+    faults.hit("gc")
     for rel in stale:
         with contextlib.suppress(FileNotFoundError):
             (root / rel).unlink()
     return stale
+
+
+def write_companions(root: Path, manifest: dict) -> None:
+    """runs.parquet and views.sql, which follow the manifest (generation recorded in views.sql)."""
+    write_runs_table(root, manifest)
+    from .query import write_views_file  # views depend on the manifest, not the reverse
+
+    write_views_file(root, manifest)
+
+
+def refresh_companions(root: Path) -> None:
+    """Rewrite runs.parquet and views.sql if a process died between the manifest and them."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    views = root / VIEWS_FILE
+    tag = f"-- generation {manifest.get('generation', 0)}\n"
+    if manifest["entries"] and (not views.exists() or tag not in views.read_text()):
+        with locked(root):
+            write_companions(root, read_manifest(root))
 
 
 def write_runs_table(root: Path, manifest: dict) -> None:

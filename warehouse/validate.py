@@ -1,0 +1,83 @@
+"""`cli.py validate`: check a warehouse's files against the schema and the manifest."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from . import schema, store
+from .derived import stale_pairs
+
+
+def _same_type(got: pa.DataType, want: pa.DataType, table: str, column: str) -> bool:
+    if table == "token_sums" and column == "vec":  # --vector-dtype: float16/32/64 lists
+        return pa.types.is_list(got) and pa.types.is_floating(got.value_type)
+    return got == want
+
+
+def check_file(root: Path, rel: str, table: str, entry: dict) -> list[str]:
+    path = root / rel
+    if not path.exists():
+        return [f"{rel}: listed in the manifest but missing"]
+    try:
+        pf = pq.ParquetFile(path)
+        got = pf.schema_arrow
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        return [f"{rel}: not a readable Parquet file ({str(e)[:200]})"]
+    want = schema.TABLES[table]
+    problems = []
+    if got.names != want.names:
+        problems.append(f"{rel}: columns {got.names} differ from the schema's {want.names}")
+    else:
+        for f in want:
+            if not _same_type(got.field(f.name).type, f.type, table, f.name):
+                problems.append(f"{rel}: column {f.name} is {got.field(f.name).type}, the schema says {f.type}")
+    keys = [k for k in ("model", "checkpoint", "source", "shard") if k in got.names and entry.get(k) is not None]
+    try:
+        t = pf.read(columns=keys)
+        for k in keys:
+            values = set(pc.unique(t.column(k)).to_pylist())
+            if values - {entry[k]}:
+                problems.append(f"{rel}: column {k} holds {sorted(values)}, the manifest says {entry[k]!r}")
+    except Exception as e:
+        problems.append(f"{rel}: unreadable data ({str(e)[:200]})")
+    return problems
+
+
+def validate(root: Path, fix: bool = False) -> list[str]:
+    """Problems found (after fixing what `fix` can: orphans, temp files, stale companions)."""
+    root = Path(root)
+    manifest = store.read_manifest(root)
+    problems = []
+    listed = set()
+    for entry in manifest["entries"].values():
+        for table, rel in entry["files"].items():
+            listed.add(rel)
+            problems += check_file(root, rel, table, entry)
+    orphans = sorted(str(p.relative_to(root)) for p in (root / "tables").rglob("*")
+                     if p.is_file() and str(p.relative_to(root)) not in listed) if (root / "tables").exists() else []
+    for rel in orphans:
+        if fix:
+            with contextlib.suppress(FileNotFoundError):
+                (root / rel).unlink()
+        else:
+            problems.append(f"{rel}: not listed in the manifest (left by an interrupted run; --fix removes it)")
+    stale = stale_pairs(manifest)
+    if stale:
+        if fix:
+            from .derived import ensure_derived
+
+            ensure_derived(root)
+        else:
+            problems.append(f"derived tables out of date for {sorted(stale)} (--fix, or any query, recomputes them)")
+    views = root / store.VIEWS_FILE
+    if manifest["entries"] and (not views.exists() or f"-- generation {manifest.get('generation', 0)}\n" not in views.read_text()):
+        if fix:
+            store.refresh_companions(root)
+        else:
+            problems.append(f"{store.VIEWS_FILE} does not match the manifest (--fix rewrites it)")
+    return problems
