@@ -227,6 +227,17 @@ def test_duckdb_shell_opens_the_warehouse(core):
         assert float(line.split(",")[1]) == pytest.approx(r["inter_sim"], rel=1e-12)
 
 
+def test_duckdb_shell_runs_every_view(core):
+    """duckdb-cli (1.5.x) parses and runs every view the Python module (2.x) defines."""
+    names = [m.name for m in load_metrics()]
+    sql = " ".join(f"SELECT '{n}', count(*) FROM {n};" for n in names)
+    out = subprocess.run(["duckdb", "-init", str(core["wh"] / "views.sql"), "-csv", "-noheader", "-c", sql],
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0 and "Error" not in out.stderr, out.stderr
+    counts = dict(line.split(",") for line in out.stdout.splitlines() if "," in line)
+    assert set(counts) == set(names) and int(counts["inter_sim"]) == 8
+
+
 def test_polars_function(core):
     import polars as pl
 
