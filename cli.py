@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+import typer.core
 
 from extract.errors import UserError
+
+typer.core.HAS_RICH = False  # usage errors as plain text: "Error: Invalid value for ..." on one line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Extract-then-query warehouse for the isotropy of transformer language models.")

@@ -111,11 +111,16 @@ def test_readers_agree_across_formats(tmp_path):
     assert sorted(both) == sorted(texts) and _docs(tmp_path / "a.jsonl", shard=(1, 2)) == [texts[0], texts[2]]
 
 
-def test_non_utf8_lines_are_replaced_and_counted(tmp_path):
+def test_non_utf8_lines_fail_or_are_replaced_or_skipped_and_counted(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"good line\nbad \xff\xfe line\nalso good\n")
+    with pytest.raises(UserError, match=r"bad.txt:2: bytes that are not UTF-8"):
+        list(documents(Source("s", tmp_path / "bad.txt"), (1, 1), ReadStats()))
     stats = ReadStats()
-    docs = list(documents(Source("s", tmp_path / "bad.txt"), (1, 1), stats))
+    docs = list(documents(Source("s", tmp_path / "bad.txt", None, "replace"), (1, 1), stats))
     assert docs[1] == "bad \ufffd\ufffd line" and stats.replaced_lines == 1
+    stats = ReadStats()
+    docs = list(documents(Source("s", tmp_path / "bad.txt", None, "skip"), (1, 1), stats))
+    assert docs == ["good line", "also good"] and stats.skipped_lines == 1
 
 
 def test_sentence_splitter_is_a_real_one():

@@ -192,31 +192,17 @@ def _training_missing(name: str) -> str:
 
 
 def fig_inter_sim_training(d: Data) -> Figure:
-    f = Figure("fig3_inter_sim_training", "Figure 3. Inter-Sim of the last layer during training",
-               "Inter-Sim of each model's last layer (the final norm where there is one) at each checkpoint.")
-    df = d.training("inter_sim", order="model, step, layer")
-    if df.is_empty():
-        f.missing = _training_missing("inter_sim")
-        return f
-    df = _last_layer(df)
-    f.chart = _line(df, "step", "Training step", "inter_sim", "Inter-Sim (mean cosine)",
-                    ["model", "checkpoint", "step", "layer", "n", "inter_sim"])
-    f.data = df
-    return f
+    return _training_line(
+        d, "fig3_inter_sim_training", "Figure 3. Inter-Sim of the last layer during training",
+        "Inter-Sim of each model's last layer (the final norm where there is one) at each checkpoint.",
+        "inter_sim", "inter_sim", "Inter-Sim (mean cosine)", ["model", "checkpoint", "step", "layer", "n", "inter_sim"])
 
 
 def fig_avg_intra_training(d: Data) -> Figure:
-    f = Figure("fig4_avg_intra_sim_training", "Figure 4. Average Intra-Sim of the last layer during training",
-               "Average Intra-Sim of each model's last layer at each checkpoint.")
-    df = d.training("avg_intra_sim", order="model, step, layer")
-    if df.is_empty():
-        f.missing = _training_missing("avg_intra_sim")
-        return f
-    df = _last_layer(df)
-    f.chart = _line(df, "step", "Training step", "avg_intra_sim", "Average Intra-Sim (mean cosine)",
-                    ["model", "checkpoint", "step", "layer", "tokens", "avg_intra_sim"])
-    f.data = df
-    return f
+    return _training_line(
+        d, "fig4_avg_intra_sim_training", "Figure 4. Average Intra-Sim of the last layer during training",
+        "Average Intra-Sim of each model's last layer at each checkpoint.", "avg_intra_sim", "avg_intra_sim",
+        "Average Intra-Sim (mean cosine)", ["model", "checkpoint", "step", "layer", "tokens", "avg_intra_sim"])
 
 
 def _iso_bars(df: pl.DataFrame, matrix: str):
@@ -385,12 +371,13 @@ def _peer_by_layer(d: Data, fid: str, title: str, caption: str, view: str, value
     return f
 
 
-def _peer_training(d: Data, fid: str, title: str, caption: str, view: str, value: str, y_title: str,
-                   tips: list[str]) -> Figure:
+def _training_line(d: Data, fid: str, title: str, caption: str, view: str, value: str, y_title: str,
+                   tips: list[str], extra: str = "") -> Figure:
+    """A value of each model's last layer against the training step."""
     f = Figure(fid, title, caption)
-    df = d.training(view, "source = 'all'", order="model, step, layer")
+    df = d.training(view, extra, order="model, step, layer")
     if df.is_empty():
-        f.missing = _training_missing(view) + f" (extract with {PEER_FLAGS[view]})"
+        f.missing = _training_missing(view) + (f" (extract with {PEER_FLAGS[view]})" if view in PEER_FLAGS else "")
         return f
     df = _last_layer(df)
     f.chart = _line(df, "step", "Training step", value, y_title, tips)
@@ -410,10 +397,11 @@ def fig_anisotropy_layers(d: Data) -> Figure:
 
 
 def fig_anisotropy_training(d: Data) -> Figure:
-    return _peer_training(
+    return _training_line(
         d, "fig13_anisotropy_training", "Anisotropy of the last layer during training",
         "λ_max / Σλ of the last layer's hidden states at each checkpoint.", "anisotropy", "anisotropy",
-        "Anisotropy (largest eigenvalue share)", ["model", "checkpoint", "step", "layer", "anisotropy"])
+        "Anisotropy (largest eigenvalue share)", ["model", "checkpoint", "step", "layer", "anisotropy"],
+        "source = 'all'")
 
 
 def fig_intrinsic_dim_layers(d: Data) -> Figure:
@@ -425,10 +413,11 @@ def fig_intrinsic_dim_layers(d: Data) -> Figure:
 
 
 def fig_intrinsic_dim_training(d: Data) -> Figure:
-    return _peer_training(
+    return _training_line(
         d, "fig15_intrinsic_dim_training", "Intrinsic dimension of the last layer during training",
         "TwoNN (llm-microscope's estimator) on the last layer's sample at each checkpoint.", "intrinsic_dim",
-        "twonn", "Intrinsic dimension (TwoNN)", ["model", "checkpoint", "step", "layer", "sample_size", "twonn"])
+        "twonn", "Intrinsic dimension (TwoNN)", ["model", "checkpoint", "step", "layer", "sample_size", "twonn"],
+        "source = 'all'")
 
 
 def fig_linearity_layers(d: Data) -> Figure:
