@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import json
 import platform
 import subprocess
 import sys
@@ -432,6 +431,3 @@ def summary_line(results: list[SourceResult], seconds: float) -> str:
             f"{sum(r.skipped for r in results)} skipped, {sum(r.nonfinite for r in results)} non-finite, "
             f"{seconds:.1f} s")
 
-
-def settings_json(settings: Settings) -> str:
-    return json.dumps(asdict(settings), sort_keys=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
-import io
 import json
 import re
 from dataclasses import dataclass, field

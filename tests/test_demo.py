@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from safetensors.numpy import load_file
 
 from conftest import run_cli

@@ -139,7 +139,6 @@ def test_concurrent_writers(workdir, sources, model_factory):
 def _bad_files(d: Path, sources) -> dict[str, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
-    import zstandard
 
     d.mkdir(parents=True, exist_ok=True)
     (d / "empty.txt").write_text("")

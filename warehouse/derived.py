@@ -12,7 +12,8 @@ moments of all partials are summed, then per layer:
 * for the frequency-debiased Inter-Sim: the number of token types T and ‖Σ_t s_t/‖s_t‖‖².
 
 The results are written as a 'derived' manifest entry per (model, checkpoint) that records the
-data runs it was computed from; `ensure_derived` recomputes it whenever those change.
+data runs it was computed from; `ensure_derived` recomputes it whenever those change.  Only
+checkpoints extracted with --moments or --sample get derived tables (they re-read every partial).
 """
 
 from __future__ import annotations
@@ -229,12 +230,23 @@ def _inputs(entries: list[dict]) -> list[str]:
     return sorted(e["run_id"] + ":" + e["key"] for e in entries)
 
 
-def stale_pairs(manifest: dict) -> list[tuple[str, str]]:
-    """(model, checkpoint)s whose derived entry is missing, outdated, or left over."""
+def wants_derived(entries: list[dict]) -> bool:
+    """Derived tables are computed for checkpoints extracted with --moments or --sample: computing
+    them reads every partial of the checkpoint again, which plain runs should not pay for."""
+    return any(e["settings"].get("moments") or e["settings"].get("sample") for e in entries)
+
+
+def _data_by_pair(manifest: dict) -> dict[tuple[str, str], list[dict]]:
     data = defaultdict(list)
     for e in manifest["entries"].values():
         if e["kind"] == "data":
             data[(e["model"], e["checkpoint"])].append(e)
+    return {p: es for p, es in data.items() if wants_derived(es)}
+
+
+def stale_pairs(manifest: dict) -> list[tuple[str, str]]:
+    """(model, checkpoint)s whose derived entry is missing, outdated, or left over."""
+    data = _data_by_pair(manifest)
     derived = {(e["model"], e["checkpoint"]): e for e in manifest["entries"].values() if e["kind"] == "derived"}
     out = [p for p, es in data.items() if derived.get(p, {}).get("inputs") != _inputs(es)]
     return out + [p for p in derived if p not in data]
@@ -247,10 +259,7 @@ def ensure_derived(root: Path, pairs: set[tuple[str, str]] | None = None) -> int
     done = 0
     with store.locked(root):
         manifest = store.read_manifest(root)
-        data = defaultdict(list)
-        for e in manifest["entries"].values():
-            if e["kind"] == "data":
-                data[(e["model"], e["checkpoint"])].append(e)
+        data = _data_by_pair(manifest)
         remove = [k for k, e in manifest["entries"].items()
                   if e["kind"] == "derived" and (e["model"], e["checkpoint"]) not in data]
         new_entries = []
