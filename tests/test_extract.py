@@ -85,6 +85,11 @@ def test_fp16_overflow_in_a_model_is_counted_per_layer(workdir, sources, model_f
     assert all(r[1] == 200 and r[2] == 0 for r in rows[:-1])
     assert con.execute("SELECT count(*) FROM inter_sim WHERE layer = 3").fetchone()[0] == 0
     assert con.execute("SELECT nonfinite FROM runs WHERE kind = 'data'").fetchone()[0] == 200
+    from warehouse.report import build_report
+
+    build_report(wh, workdir / "overflow-report", png=False)
+    page = (workdir / "overflow-report" / "index.html").read_text()
+    assert "Excluded activations" in page and "<td>3</td><td>200</td>" in page  # layer 3, 200 NaN/inf
 
 
 def _docs(path, **kw):
