@@ -272,3 +272,25 @@ def test_float16_vectors_cost_is_bounded(workdir, sources, model_factory, core):
     inter = {r["layer"]: r["inter_sim"] for r in rows(wh, "SELECT * FROM inter_sim")}
     for layer, v in ref.inter_sim(core["states"]["gpt_neox-tied"]["all"]).items():
         assert inter[layer] == pytest.approx(v, abs=1e-6)
+
+
+def test_folded_partials_path_gives_the_same_views(workdir, sources, model_factory, core, monkeypatch):
+    """The path used when the float64 sums live on another device than the model
+    (--accumulator-device cpu on a GPU): per-batch partials folded in. Forced here on the CPU."""
+    import functools
+
+    import extract.run as run_module
+    from extract.accumulate import TokenSums
+
+    monkeypatch.setattr(run_module, "TokenSums", functools.partial(TokenSums, fold_partials=True))
+    wh = workdir / "fold-wh"
+    code, _, err = run_cli("extract", "--model", core["paths"]["gpt_neox-tied"], "--source", f"alpha={sources['alpha']}",
+                           "--source", f"beta={sources['beta']}", "--warehouse", wh, "--max-length", MAXLEN)
+    assert code == 0, err
+    states = core["states"]["gpt_neox-tied"]["all"]
+    got = {r["layer"]: r["inter_sim"] for r in rows(wh, "SELECT * FROM inter_sim")}
+    for layer, value in ref.inter_sim(states).items():
+        assert got[layer] == pytest.approx(value, abs=1e-6)
+    intra = {(r["layer"], r["token_id"]): r["intra_sim"] for r in rows(wh, "SELECT * FROM intra_sim")}
+    want = ref.intra_sim(states)
+    assert set(intra) == set(want) and max(abs(intra[k] - v) for k, v in want.items()) < 1e-6
