@@ -29,8 +29,9 @@ class TokenSums:
         self.moments: Moments | None = None  # optional consumers of the raw (unnormalised) vectors
         self.sample: Sample | None = None
 
-    def set_batch(self, input_ids: torch.Tensor, counted: torch.Tensor) -> None:
-        """input_ids, counted: (B, T); counted marks the positions that enter the statistics."""
+    def set_batch(self, input_ids: torch.Tensor, counted: torch.Tensor) -> int:
+        """input_ids, counted: (B, T); counted marks the positions that enter the statistics.
+        Returns their number M."""
         sel = counted.reshape(-1).nonzero().squeeze(1)  # (M,)
         ids = input_ids.reshape(-1).index_select(0, sel)  # (M,)
         if not self.fold_partials:
@@ -39,6 +40,7 @@ class TokenSums:
             uniq, inv = torch.unique(ids, return_inverse=True)  # (U,), (M,)
             self._batch = (sel, inv, uniq, uniq.to(self.master))
         self._ones = torch.ones(len(ids), dtype=torch.int64, device=ids.device)
+        return len(ids)
 
     def add(self, layer: int, hidden: torch.Tensor) -> None:
         """hidden: (B, T, d) in any float dtype."""
@@ -47,13 +49,14 @@ class TokenSums:
         x = hidden.reshape(-1, d).index_select(0, sel).double()  # (M, d) float64
         norm = torch.linalg.vector_norm(x, dim=1)  # (M,)
         ok = torch.isfinite(norm) & (norm > 0)  # (M,)
+        all_ok = bool(ok.all())  # the one host sync per layer and batch
         if self.moments is not None:
-            self.moments.add(layer, x, ok)
+            self.moments.add(layer, x, ok, all_ok)
         if self.sample is not None:
             self.sample.add(layer, x)
         x.div_(norm.unsqueeze(1))  # û
         counts = self._ones
-        if not bool(ok.all()):  # rare: NaN/inf or zero vectors are counted, then zeroed out
+        if not all_ok:  # rare: NaN/inf or zero vectors are counted, then zeroed out
             finite = torch.isfinite(norm)
             self.nonfinite[layer] += (~finite).sum().to(self.master)
             self.zero[layer] += (finite & (norm == 0)).sum().to(self.master)
@@ -82,26 +85,26 @@ class Moments:
         self.s2 = torch.zeros(n_layers, d, d, dtype=torch.float64, device=dev)
         self.cross = torch.zeros(n_layers - 1, d, d, dtype=torch.float64, device=dev) if cross else None
         self.n_pair = torch.zeros(n_layers - 1, dtype=torch.int64, device=dev)
-        self._prev: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._prev: tuple[int, torch.Tensor, torch.Tensor, bool] | None = None
 
-    def add(self, layer: int, x: torch.Tensor, ok: torch.Tensor) -> None:
-        """x: (M, d) float64 raw vectors of the batch's counted positions; ok: (M,) bool."""
-        all_ok = bool(ok.all())
+    def add(self, layer: int, x: torch.Tensor, ok: torch.Tensor, all_ok: bool) -> None:
+        """x: (M, d) float64 raw vectors of the batch's counted positions; ok: (M,) bool,
+        all_ok = ok.all() (computed once by the caller)."""
         xs = x if all_ok else x[ok]  # (M', d)
         self.n[layer] += len(xs)
         self.s1[layer] += xs.sum(0)
         self.s2[layer].addmm_(xs.T, xs)
         if self.cross is not None and self._prev is not None and self._prev[0] == layer - 1:
-            _, px, pok = self._prev
-            both = pok & ok
-            if bool(both.all()):
+            _, px, pok, p_all_ok = self._prev
+            if p_all_ok and all_ok:
                 self.cross[layer - 1].addmm_(px.T, x)
                 self.n_pair[layer - 1] += len(x)
             else:
+                both = pok & ok
                 self.cross[layer - 1].addmm_(px[both].T, x[both])
                 self.n_pair[layer - 1] += int(both.sum())
         if self.cross is not None:
-            self._prev = (layer, x.clone(), ok)  # x is normalised in place afterwards
+            self._prev = (layer, x.clone(), ok, all_ok)  # x is normalised in place afterwards
 
 
 class Sample:

@@ -214,14 +214,13 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
         for input_ids, mask, counted, where in batches(
             loaded, windows(loaded, texts, settings, result, splitter), settings.batch_size, settings.device
         ):
-            acc.set_batch(input_ids, counted)
+            n = acc.set_batch(input_ids, counted)
             if acc.sample is not None:
                 w = where[counted.cpu()]  # (M, 2): document, position
                 keys = torch.from_numpy(position_keys(salt, w[:, 0].numpy(), w[:, 1].numpy()))
                 acc.sample.set_batch(keys, torch.cat([w, input_ids[counted].cpu()[:, None]], 1))
             base(input_ids=input_ids, attention_mask=mask, **kwargs)
             faults.hit("forward")
-            n = int(counted.sum())
             result.tokens += n
             result.windows += input_ids.shape[0]
             bar.update(n)

@@ -120,7 +120,7 @@ def compute(root: Path, entries: list[dict], sample_k: int | None) -> dict[str, 
     out = {t: defaultdict(list) for t in schema.DERIVED_TABLES}
     groups = {"all": entries} | {s: [e for e in entries if e["source"] == s] for s in sorted({e["source"] for e in entries})}
 
-    def key(table, source, layer, n=None):
+    def key(table, source, layer):
         row = out[table]
         row["model"].append(model)
         row["checkpoint"].append(checkpoint)

@@ -110,8 +110,8 @@ def write_views_file(root: Path, manifest: dict | None = None) -> Path:
     root = Path(root)
     manifest = manifest if manifest is not None else store.read_manifest(root)
     text = (
-        f"-- generation {manifest.get('generation', 0)}\n"
-        "-- Views over this warehouse, regenerated at every commit (python cli.py views rewrites it).\n"
+        store.generation_tag(manifest)
+        + "-- Views over this warehouse, regenerated at every commit (python cli.py views rewrites it).\n"
         "-- Open with:  duckdb -init " + str(root.resolve() / store.VIEWS_FILE) + "\n"
         + "\n".join(all_view_sql(root, manifest)) + "\n"
     )
@@ -162,18 +162,12 @@ def isoscore_star(zeta: float, warehouse: str | Path = "warehouse"):
     if not 0 <= zeta <= 1:
         raise UserError(f"zeta must lie in [0, 1], got {zeta}")
     z = float(zeta)
+    body = next(m.body for m in load_metrics() if m.name == "isoscore")
+    # The isoscore view's own query over the shrunk spectrum (a CTE named like the table it reads).
     return sql(f"""
-        WITH s AS (
-            SELECT model, checkpoint, step, source, layer, n, (1 - {z}) * eigenvalue + {z} AS ev,
-                   count(*) OVER w AS d
-            FROM spectrum WINDOW w AS (PARTITION BY model, checkpoint, source, layer)
-        ), s2 AS (
-            SELECT *, sqrt(sum(ev * ev) OVER (PARTITION BY model, checkpoint, source, layer)) AS norm FROM s
-        ), delta AS (
-            SELECT model, checkpoint, any_value(step) AS step, source, layer, any_value(n) AS n, any_value(d) AS d,
-                   sqrt(sum(power(ev * sqrt(d) / norm - 1, 2))) / sqrt(2 * (any_value(d) - sqrt(any_value(d)))) AS delta
-            FROM s2 GROUP BY model, checkpoint, source, layer
+        WITH spectrum AS (
+            SELECT model, checkpoint, step, source, layer, n, k, (1 - {z}) * eigenvalue + {z} AS eigenvalue
+            FROM main.spectrum
         )
-        SELECT model, checkpoint, step, source, layer, n, {z} AS zeta,
-               (power(d - delta * delta * (d - sqrt(d)), 2) - d) / (d * (d - 1.0)) AS isoscore_star
-        FROM delta ORDER BY model, checkpoint, source, layer""", warehouse)
+        SELECT model, checkpoint, step, source, layer, n, {z} AS zeta, isoscore AS isoscore_star
+        FROM ({body}) ORDER BY model, checkpoint, source, layer""", warehouse)

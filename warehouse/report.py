@@ -80,9 +80,6 @@ class Data:
     def q(self, sql: str) -> pl.DataFrame:
         return self.con.sql(sql).pl()
 
-    def view(self, name: str, extra: str = "", order: str = "") -> pl.DataFrame:
-        return self.q(f"SELECT * FROM {name}{self.where(extra)}" + (f" ORDER BY {order}" if order else ""))
-
     def final(self, name: str, extra: str = "", order: str = "") -> pl.DataFrame:
         """Rows of each model's final checkpoint: 'main' if present, else the largest step."""
         return self.q(

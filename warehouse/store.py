@@ -185,13 +185,20 @@ def write_companions(root: Path, manifest: dict) -> None:
     write_views_file(root, manifest)
 
 
+def generation_tag(manifest: dict) -> str:
+    """The line views.sql carries to say which manifest it was written from."""
+    return f"-- generation {manifest.get('generation', 0)}\n"
+
+
+def companions_current(root: Path, manifest: dict) -> bool:
+    views = Path(root) / VIEWS_FILE
+    return not manifest["entries"] or (views.exists() and generation_tag(manifest) in views.read_text())
+
+
 def refresh_companions(root: Path) -> None:
     """Rewrite runs.parquet and views.sql if a process died between the manifest and them."""
     root = Path(root)
-    manifest = read_manifest(root)
-    views = root / VIEWS_FILE
-    tag = f"-- generation {manifest.get('generation', 0)}\n"
-    if manifest["entries"] and (not views.exists() or tag not in views.read_text()):
+    if not companions_current(root, read_manifest(root)):
         with locked(root):
             write_companions(root, read_manifest(root))
 

@@ -74,8 +74,7 @@ def validate(root: Path, fix: bool = False) -> list[str]:
             ensure_derived(root)
         else:
             problems.append(f"derived tables out of date for {sorted(stale)} (--fix, or any query, recomputes them)")
-    views = root / store.VIEWS_FILE
-    if manifest["entries"] and (not views.exists() or f"-- generation {manifest.get('generation', 0)}\n" not in views.read_text()):
+    if not store.companions_current(root, manifest):
         if fix:
             store.refresh_companions(root)
         else:
