@@ -28,6 +28,21 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def parse_bytes(text: str, option: str) -> int:
+    """'512MB', '2GiB', '1e9' → bytes (KB/MB/GB = 10^3…, KiB/MiB/GiB = 2^10…)."""
+    import re
+
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in units:
+        raise UserError(f"{option} {text!r}: expected a size such as 512MB or 20GiB")
+    value = int(float(m.group(1)) * units[m.group(2).lower()])
+    if value < 1:
+        raise UserError(f"{option} {text!r}: must be positive")
+    return value
+
+
 @app.command()
 def extract(
     model: str = typer.Option(..., "--model", "-m", help="Pythia alias (pythia-70m … pythia-12b[-deduped]), 'minilm', a local directory or a hub id."),
@@ -51,6 +66,10 @@ def extract(
     sample: int = typer.Option(0, help="Also keep a mergeable bottom-k sample of K token vectors per layer (intrinsic dimension)."),
     skip_done: bool = typer.Option(False, "--skip-done", help="Keep runs already in the warehouse with the same settings and data (resume a sweep) instead of replacing them."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub (off by default)."),
+    special_tokens: bool = typer.Option(False, "--count-special-tokens/--no-count-special-tokens", help="Also count the positions of the special tokens the tokenizer adds (BOS, [CLS], [SEP]: attention sinks); by default they are fed but not counted."),
+    memory_budget: Optional[str] = typer.Option(None, help="Bytes the float64 token sums may hold (e.g. 512MB, 20GiB); beyond it they are spilled exactly to --spill-dir and merged at the end. Default: half the memory free on the accumulator's device."),
+    spill_dir: Optional[Path] = typer.Option(None, help="Directory for spilled sums (default: the system's temp directory)."),
+    module: Optional[List[str]] = typer.Option(None, "--module", help="ROLE=PATH: name a module where discovery is wrong (roles: embedding, blocks, final_norm, unembedding; PATH 'none' for none), e.g. --module final_norm=model.norm. Repeatable."),
 ):
     """Run a model over text sources and store mergeable sums.
 
@@ -58,6 +77,7 @@ def extract(
     """
     import torch
 
+    from extract.architectures import parse_module_overrides
     from extract.models import DTYPES, resolve_model, select_checkpoints
     from extract.run import Settings, extract as run_extract, summary_line
     from extract.sources import parse_shard, parse_source
@@ -85,6 +105,8 @@ def extract(
         sources = [parse_source(s, pile_set, encoding_errors) for s in source or []]
         if len({s.name for s in sources}) != len(sources):
             raise UserError("--source names must be distinct")
+        budget = parse_bytes(memory_budget, "--memory-budget") if memory_budget is not None else None
+        modules = parse_module_overrides(module)
         ref = resolve_model(model)
         revs = list(checkpoint or [])
         if checkpoints:
@@ -94,7 +116,8 @@ def extract(
                             device=device, dtype=dtype, shard=parse_shard(shard), vector_dtype=vector_dtype,
                             trust_remote_code=trust_remote_code, params_only=params_only,
                             accumulator_device=accumulator_device, skip_done=skip_done, moments=moments,
-                            sample=sample)
+                            sample=sample, special_tokens=special_tokens, memory_budget=budget,
+                            spill_dir=str(spill_dir) if spill_dir else None, modules=modules)
         start = time.perf_counter()
         results = run_extract(ref, revs, sources, warehouse, settings, log=lambda m: typer.echo(m, err=True))
         typer.echo(summary_line(results, time.perf_counter() - start) + f"; warehouse: {warehouse}", err=True)

@@ -6,7 +6,10 @@ The model is a random GPT-NeoX saved with save_pretrained and loaded back throug
 path a user's model takes; token ids follow a Zipf law over the vocabulary (s = 1.1), like text.
 
     python bench/bench_extract.py                       # the CPU target: hidden 512, 6 layers, vocab 50k
-    python bench/bench_extract.py --device cuda --dtype bfloat16 --hidden 2048 --layers 24 --batch 16 --seq 2048
+    python bench/bench_extract.py --device cuda --dtype bfloat16 --hidden 2048 --layers 24 --batch 8 --seq 2048
+    # a Llama-3-8B shape (128k vocabulary), built on the GPU directly (--direct: no save/load round trip)
+    python bench/bench_extract.py --arch llama --device cuda --dtype bfloat16 --hidden 4096 --layers 32 \
+        --intermediate 14336 --kv-heads 8 --vocab 128256 --batch 4 --seq 2048 --direct --no-write
 
 Prints tokens/s for both, the ratio (extract time / bare time), the one-off write time and the
 bytes written per checkpoint for this model and token count.
@@ -27,20 +30,29 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from extract.accumulate import Moments, Sample, TokenSums  # noqa: E402
-from extract.architectures import get_module  # noqa: E402
+from extract.architectures import discover, get_module  # noqa: E402
 from extract.hooks import capture_layers, layer_kinds  # noqa: E402
-from extract.models import DTYPES, load, resolve_model  # noqa: E402
+from extract.models import DTYPES, forward_kwargs, load, resolve_model, to_compute  # noqa: E402
+
+
+def make_config(args):
+    from transformers import GPTNeoXConfig, LlamaConfig
+
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                  num_attention_heads=args.hidden // 64, max_position_embeddings=max(2048, args.seq),
+                  tie_word_embeddings=False)
+    if args.arch == "llama":
+        return LlamaConfig(intermediate_size=args.intermediate or int(3.5 * args.hidden),
+                           num_key_value_heads=args.kv_heads or args.hidden // 64, **common)
+    return GPTNeoXConfig(intermediate_size=args.intermediate or 4 * args.hidden, **common)
 
 
 def build_model(directory: Path, args) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, GPTNeoXConfig, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    config = GPTNeoXConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                           num_attention_heads=args.hidden // 64, intermediate_size=4 * args.hidden,
-                           max_position_embeddings=max(2048, args.seq), tie_word_embeddings=False)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    AutoModelForCausalLM.from_config(make_config(args)).save_pretrained(directory)
     vocab = {f"t{i}": i for i in range(args.vocab)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -60,6 +72,17 @@ def zipf_batches(args) -> list[torch.Tensor]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="gpt_neox", choices=["gpt_neox", "llama"])
+    ap.add_argument("--intermediate", type=int, default=None)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--direct", action="store_true",
+                    help="build the random model on the device in --dtype (no save/load round trip; big shapes)")
+    ap.add_argument("--budget", type=float, default=None, help="accumulator memory budget in GiB (spills beyond)")
+    ap.add_argument("--profile", action="store_true", help="print the top kernels of one extraction batch")
+    ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                    help="compiled layer step (default: on for cuda)")
+    ap.add_argument("--check", action="store_true",
+                    help="also run the other path (fused vs eager) over the same batches and compare the sums")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=50304)
@@ -77,16 +100,29 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="isobench-"))
     try:
-        build_model(tmp / "model", args)
-        loaded = load(resolve_model(str(tmp / "model")), "main", DTYPES[args.dtype], args.device)
-        loaded.model.to(args.device, DTYPES[args.dtype])
-        fam, model = loaded.family, loaded.model
+        t0 = time.perf_counter()
+        if args.direct:
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(0)
+            with torch.device(args.device):
+                model = AutoModelForCausalLM.from_config(make_config(args), dtype=DTYPES[args.dtype]).eval()
+            fam = discover(model, "causal", None, forward_kwargs("causal"))
+            loaded = None
+        else:
+            build_model(tmp / "model", args)
+            loaded = load(resolve_model(str(tmp / "model")), "main", DTYPES[args.dtype], args.device)
+            to_compute(loaded, DTYPES[args.dtype], args.device)
+            fam, model = loaded.layout, loaded.model
+        print(f"model ready in {time.perf_counter() - t0:.1f} s; layout: blocks {fam.blocks}, final norm {fam.final_norm}")
         base = get_module(model, fam.base)
         kinds = layer_kinds(model, fam)
-        batches = [b.to(args.device) for b in zipf_batches(args)]
+        host = zipf_batches(args)
+        batches = [b.to(args.device) for b in host]
         mask = torch.ones_like(batches[0])
-        counted = torch.ones_like(batches[0], dtype=torch.bool)
-        acc = TokenSums(len(kinds), args.vocab, args.hidden, args.device)
+        counted = torch.ones_like(host[0], dtype=torch.bool)
+        budget = int(args.budget * 2**30) if args.budget else None
+        acc = TokenSums(len(kinds), args.vocab, args.hidden, args.device, budget=budget, fused=args.fused)
         if args.moments:
             acc.moments = Moments(len(kinds), args.hidden, args.device)
         if args.sample:
@@ -98,17 +134,32 @@ def main() -> None:
             base(input_ids=ids, attention_mask=mask, use_cache=False)
 
         def extract(ids):
-            acc.set_batch(ids, counted)
+            acc.set_batch(host[ids_index[id(ids)]], counted)
             if acc.sample is not None:
                 m = ids.numel()
                 acc.sample.set_batch(torch.from_numpy(rng.integers(0, 2**62, m)), torch.zeros(m, 3, dtype=torch.long))
             with capture_layers(model, fam, acc.add):
                 base(input_ids=ids, attention_mask=mask, use_cache=False)
 
+        ids_index = {id(b): i for i, b in enumerate(batches)}
         t_bare = t_ext = 0.0
+        cuda = args.device.startswith("cuda")
         with torch.inference_mode():
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             bare(batches[0])  # warm-up both paths
+            sync()
+            bare_peak = torch.cuda.max_memory_allocated() if cuda else 0
             extract(batches[0])
+            if args.profile:
+                from torch.profiler import ProfilerActivity, profile
+
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+                with profile(activities=acts) as prof:
+                    extract(batches[0])
+                    sync()
+                print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total",
+                                                row_limit=15, max_name_column_width=50))
             for _ in range(args.repeats):
                 for ids in batches:
                     for fn in (bare, extract):
@@ -122,14 +173,36 @@ def main() -> None:
                         else:
                             t_ext += dt
         tokens = args.repeats * args.batches * args.batch * args.seq
-        print(f"model: GPT-NeoX hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
+        print(f"model: {args.arch} hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
               f"{args.device} {args.dtype}; threads {torch.get_num_threads()}; "
-              f"moments {'on' if args.moments else 'off'}, sample {args.sample}")
+              f"moments {'on' if args.moments else 'off'}, sample {args.sample}, fused {acc._fused is not None}")
         print(f"batches: {args.batches} x ({args.batch} x {args.seq}) tokens, {args.repeats} passes, {tokens} tokens each")
         print(f"bare forward : {tokens / t_bare:10.0f} tok/s  ({t_bare:.2f} s)")
         print(f"extraction   : {tokens / t_ext:10.0f} tok/s  ({t_ext:.2f} s)")
         print(f"ratio (extraction time / bare time): {t_ext / t_bare:.3f}")
-        if args.write:
+        print(f"token types seen: {acc.used} (+{len(acc.spills)} spills); accumulator tables "
+              f"{acc.table_bytes() / 2**30:.2f} GiB (peak {acc.peak_bytes / 2**30:.2f} GiB; dense would be "
+              f"{len(kinds) * args.vocab * args.hidden * 8 / 2**30:.1f} GiB)")
+        if cuda:
+            print(f"GPU peak memory: bare forward {bare_peak / 2**30:.2f} GiB, with extraction "
+                  f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+        if args.check:
+            other = TokenSums(len(kinds), args.vocab, args.hidden, args.device, fused=acc._fused is None)
+            with torch.inference_mode(), capture_layers(model, fam, other.add):
+                for _ in range(args.repeats + 1):  # the same batches as above (warm-up included)
+                    for i, ids in enumerate(batches if _ else batches[:1]):
+                        other.set_batch(host[i], counted)
+                        base(input_ids=ids, attention_mask=mask, use_cache=False)
+            worst = 0.0
+            for layer in range(len(kinds)):
+                a = {int(t): (n, S) for t, n, S in zip(*acc.layer_rows(layer, 10**9).__next__())}
+                b = {int(t): (n, S) for t, n, S in zip(*other.layer_rows(layer, 10**9).__next__())}
+                assert a.keys() == b.keys() and all(a[t][0] == b[t][0] for t in a)
+                for t in a:
+                    worst = max(worst, float(np.abs(a[t][1] - b[t][1]).max() / max(1.0, np.abs(b[t][1]).max())))
+            print(f"check: fused {acc._fused is not None} vs {other._fused is not None}: same token types and counts, "
+                  f"max relative |Δ Σû| = {worst:.2e}")
+        if args.write and loaded is not None:
             from extract.run import Settings, write_sums
             from extract.sources import Source
 
@@ -139,7 +212,7 @@ def main() -> None:
                 files = write_sums(tmp / f"wh-{vdt}", loaded, Source("bench", tmp), settings, acc, "bench")
                 dt = time.perf_counter() - t0
                 size = sum((tmp / f"wh-{vdt}" / f).stat().st_size for f in files.values())
-                types = int((acc.counts[0] > 0).sum())
+                types = acc.used
                 print(f"write ({vdt} vectors): {dt:.2f} s, {size / 2**20:.1f} MiB for {len(kinds)} layers x "
                       f"{types} token types ({size / (len(kinds) * types):.0f} B per (layer, token); "
                       f"{4 * args.hidden if vdt == 'float32' else 2 * args.hidden} B of it the vector)")

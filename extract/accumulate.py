@@ -1,67 +1,217 @@
-"""Per-(layer, token) sums of unit vectors, accumulated without drift.
+"""Per-(layer, token) sums of unit vectors, accumulated without drift, in memory that grows with
+what the corpus touches and stays under a budget.
 
-For every batch and layer the activations are upcast to float64, normalised (û = h/‖h‖) and
-added per token type into the float64 accumulator (`index_add_`); when the accumulator lives
-on another device (host memory for a model whose sums do not fit beside it on the GPU), a
-per-batch partial over the batch's distinct tokens is summed first and folded in.  Normalising in float64 keeps ‖û‖² = 1 to ~1e-16, so identical vectors
-give an Intra-Sim of 1 to ~1e-12 (float32 normalisation leaves errors of ~1e-7).  Vectors with
-a NaN/inf component or zero norm are counted per layer and excluded, never summed.
+**Sparse.** A token type gets a *slot* the first time a batch counts it; every layer keeps a
+float64 row per slot (`sums[layer]`: (slots, d)) and an int64 count.  The map token → slot is a
+numpy array on the host (8 bytes per vocabulary entry), updated from the batch's token ids,
+which the host already has: the device never has to report which tokens are new, so the hot
+path has no host sync on a GPU.  Memory: (L + 2) · U · (8d + 8) bytes for U token types seen
+(a dense table would need (L + 2) · V · 8d whatever the corpus).
+
+**Budget.** With `budget` bytes, the slot tables grow (×2, one layer at a time) only while they
+fit; when the next batch's new token types would not, the sums so far are *spilled*: written
+exactly (float64) to a spill directory as token-sorted arrays, and the tables are zeroed for
+reuse.  At the end `layer_rows()` merges the spills and the tables per token-id range, so the
+merge, too, works in bounded memory.  Sums are split, never rounded: the result equals the
+unbudgeted one up to the order of float64 additions (~1e-16 relative).
+
+**Precision.** The norm is computed in float64 from the activations as they are (`dtype=`
+upcasts inside the kernel) and û = h · (1/‖h‖) is formed in float64 by type promotion, so
+‖û‖² = 1 to ~1e-16 and identical vectors give an Intra-Sim of 1 to ~1e-12.  Vectors with a
+NaN/inf component or zero norm are counted per layer and excluded, never summed.  When the
+accumulator lives on another device than the model (`--accumulator-device cpu`), a per-batch
+partial over the batch's distinct tokens is summed on the model's device first and folded in.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
 import torch
+
+from .errors import UserError
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free on `device` now (CUDA: the driver's free memory; CPU: MemAvailable)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class TokenSums:
-    """sums[layer, token] = Σ û (float64), counts[layer, token] = n."""
+    """sums[layer][slot] = Σ û (float64), counts[layer, slot] = n, for the token types seen."""
 
-    def __init__(self, n_layers: int, rows: int, d: int, device: torch.device | str,
-                 master_device: torch.device | str | None = None, fold_partials: bool | None = None):
+    def __init__(self, n_layers: int, vocab: int, d: int, device: torch.device | str,
+                 master_device: torch.device | str | None = None, fold_partials: bool | None = None,
+                 budget: int | None = None, spill_dir: str | Path | None = None, fused: bool | None = None):
+        self.L, self.V, self.d = n_layers, vocab, d
         self.device = torch.device(device)
         self.master = torch.device(master_device or device)
         self.fold_partials = self.master != self.device if fold_partials is None else fold_partials
-        self.sums = torch.zeros(n_layers, rows, d, dtype=torch.float64, device=self.master)
-        self.counts = torch.zeros(n_layers, rows, dtype=torch.int64, device=self.master)
-        self.nonfinite = torch.zeros(n_layers, dtype=torch.int64, device=self.master)
-        self.zero = torch.zeros(n_layers, dtype=torch.int64, device=self.master)
+        self.host_sync_free = self.device.type == "cpu"  # a sync costs nothing on the CPU
+        self.slot_bytes = n_layers * (8 * d + 8) + 8  # per token type: L float64 rows, L counts, its id
+        self.budget = budget
+        if budget is not None and budget < self.slot_bytes:
+            raise UserError(f"--memory-budget {budget} bytes is below one token type's {self.slot_bytes} bytes")
+        self.slot_of = np.full(vocab, -1, dtype=np.int64)  # (V,) token → slot, host
+        self.tokens = np.empty(0, dtype=np.int64)  # (capacity,) slot → token, host
+        self.used = 0
+        self.sums = [torch.zeros(0, d, dtype=torch.float64, device=self.master) for _ in range(n_layers)]
+        self.counts = [torch.zeros(0, dtype=torch.int64, device=self.master) for _ in range(n_layers)]
+        self.nonfinite = torch.zeros(n_layers, dtype=torch.int64, device=self.device)
+        self.zero = torch.zeros(n_layers, dtype=torch.int64, device=self.device)
+        self.peak_bytes = 0  # the most the slot tables held at once (growth included)
+        self.spills: list[Path] = []
+        self._spill_root = spill_dir
+        self._spill_dir: Path | None = None
         self._batch = None
+        # On a GPU, one compiled kernel pair per layer (norm; scale + scatter-add) instead of ~8
+        # eager ones, and the float64 û never written to memory: see `layer_step`.
+        use = self.device.type == "cuda" and not self.fold_partials if fused is None else fused
+        self._fused = torch.compile(layer_step, dynamic=True) if use else None
         self.moments: Moments | None = None  # optional consumers of the raw (unnormalised) vectors
         self.sample: Sample | None = None
 
+    # ------------------------------------------------------------ slots
+
+    @property
+    def capacity(self) -> int:
+        return len(self.tokens)
+
+    def table_bytes(self, capacity: int | None = None) -> int:
+        return (self.capacity if capacity is None else capacity) * self.slot_bytes
+
+    def _grow(self, need: int) -> bool:
+        """Make room for `need` slots in all; False when the budget does not allow it."""
+        cap = self.capacity
+        if need <= cap:
+            return True
+        new = min(max(cap + cap // 4, need, 1024), self.V)
+        row = 8 * self.d + 8
+        if self.budget is not None:
+            # growing one layer at a time: the old and the new copy of the last layer coexist
+            new = min(new, (self.budget - cap * row) // (self.L * row + 8))
+            if new < need:
+                return False
+        for layer in range(self.L):
+            grown = torch.zeros(new, self.d, dtype=torch.float64, device=self.master)
+            grown[:cap] = self.sums[layer]
+            self.sums[layer] = grown
+            counts = torch.zeros(new, dtype=torch.int64, device=self.master)
+            counts[:cap] = self.counts[layer]
+            self.counts[layer] = counts
+            self.peak_bytes = max(self.peak_bytes, self.L * new * row + cap * row + 8 * new)
+        self.tokens = np.concatenate([self.tokens, np.full(new - cap, -1, dtype=np.int64)])
+        self.peak_bytes = max(self.peak_bytes, self.table_bytes())
+        return True
+
+    def spill(self) -> None:
+        """Write the sums so far (exact, token-sorted) to the spill directory; zero the tables."""
+        if self.used == 0:
+            return
+        if self._spill_dir is None:
+            self._spill_dir = Path(tempfile.mkdtemp(prefix="isotropy-spill-", dir=self._spill_root))
+        part = self._spill_dir / f"{len(self.spills):05d}"
+        part.mkdir()
+        order = np.argsort(self.tokens[: self.used], kind="stable")
+        np.save(part / "tokens.npy", self.tokens[: self.used][order])
+        idx = torch.from_numpy(order).to(self.master)
+        np.save(part / "counts.npy", torch.stack([c[: self.used].index_select(0, idx) for c in self.counts]).cpu().numpy())
+        for layer in range(self.L):  # raw float64 rows (U, d), token-sorted, read back by ranges
+            rows = self.sums[layer][: self.used]
+            with open(part / f"sums{layer}.f64", "wb") as f:
+                for a in range(0, self.used, 4096):
+                    f.write(rows.index_select(0, idx[a:a + 4096]).cpu().numpy().tobytes())
+            rows.zero_()
+            self.counts[layer][: self.used] = 0
+        self.slot_of[self.tokens[: self.used]] = -1
+        self.tokens[: self.used] = -1
+        self.used = 0
+        self.spills.append(part)
+
+    def close(self) -> None:
+        """Remove the spill directory (always call; the sums must have been read first)."""
+        if self._spill_dir is not None:
+            shutil.rmtree(self._spill_dir, ignore_errors=True)
+            self._spill_dir = None
+            self.spills = []
+
+    def _assign(self, ids: np.ndarray) -> np.ndarray:
+        """Slots of the batch's token ids (M,), giving new token types a slot (spilling if needed)."""
+        slots = self.slot_of[ids]
+        new = np.unique(ids[slots < 0])
+        if len(new):
+            if not self._grow(self.used + len(new)):
+                self.spill()
+                new = np.unique(ids)
+                if not self._grow(len(new)):
+                    raise UserError(
+                        f"--memory-budget {self.budget} bytes cannot hold one batch: it counts {len(new)} token "
+                        f"types × {self.slot_bytes} bytes; raise the budget or lower --batch-size")
+            self.slot_of[new] = np.arange(self.used, self.used + len(new))
+            self.tokens[self.used: self.used + len(new)] = new
+            self.used += len(new)
+            slots = self.slot_of[ids]
+        return slots
+
+    # ------------------------------------------------------------ the hot path
+
     def set_batch(self, input_ids: torch.Tensor, counted: torch.Tensor) -> int:
-        """input_ids, counted: (B, T); counted marks the positions that enter the statistics.
-        Returns their number M."""
-        sel = counted.reshape(-1).nonzero().squeeze(1)  # (M,)
-        ids = input_ids.reshape(-1).index_select(0, sel)  # (M,)
+        """input_ids, counted: (B, T) on the host; counted marks the positions that enter the
+        statistics.  Returns their number M.  Nothing here waits for the device."""
+        counted_np = counted.reshape(-1).numpy()
+        sel_np = np.flatnonzero(counted_np)  # (M,)
+        ids = input_ids.reshape(-1).numpy()[sel_np].astype(np.int64)  # (M,)
+        slots = self._assign(ids)
+        sel = torch.from_numpy(sel_np).to(self.device, non_blocking=True)
         if not self.fold_partials:
-            self._batch = (sel, ids, None, None)
+            self._batch = (sel, torch.from_numpy(slots).to(self.device, non_blocking=True), None)
         else:  # fold a per-batch partial over the batch's distinct tokens into the remote master
-            uniq, inv = torch.unique(ids, return_inverse=True)  # (U,), (M,)
-            self._batch = (sel, inv, uniq, uniq.to(self.master))
-        self._ones = torch.ones(len(ids), dtype=torch.int64, device=ids.device)
+            uniq, inv = np.unique(slots, return_inverse=True)  # (U,), (M,)
+            self._batch = (sel, torch.from_numpy(inv.reshape(-1)).to(self.device, non_blocking=True),
+                           torch.from_numpy(uniq).to(self.master))
+        self._ones = torch.ones(len(ids), dtype=torch.int64, device=self.device)
         return len(ids)
 
     def add(self, layer: int, hidden: torch.Tensor) -> None:
         """hidden: (B, T, d) in any float dtype."""
-        sel, index, uniq, uniq_master = self._batch
+        sel, index, uniq = self._batch
         d = hidden.shape[-1]
-        x = hidden.reshape(-1, d).index_select(0, sel).double()  # (M, d) float64
-        norm = torch.linalg.vector_norm(x, dim=1)  # (M,)
-        ok = torch.isfinite(norm) & (norm > 0)  # (M,)
-        all_ok = bool(ok.all())  # the one host sync per layer and batch
-        if self.moments is not None:
-            self.moments.add(layer, x, ok, all_ok)
+        h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d) compute dtype
+        if self._fused is not None and self.moments is None and self.sample is None and uniq is None:
+            nonfinite, zero = self._fused(self.sums[layer], self.counts[layer], index, h)
+            self.nonfinite[layer] += nonfinite
+            self.zero[layer] += zero
+            return
         if self.sample is not None:
-            self.sample.add(layer, x)
-        x.div_(norm.unsqueeze(1))  # û
+            self.sample.add(layer, h)
+        norm = torch.linalg.vector_norm(h, dim=1, dtype=torch.float64)  # (M,) float64
+        finite = torch.isfinite(norm)
+        ok = finite & (norm > 0)  # (M,)
+        all_ok = bool(ok.all()) if self.host_sync_free else False  # no sync on a GPU
         counts = self._ones
-        if not all_ok:  # rare: NaN/inf or zero vectors are counted, then zeroed out
-            finite = torch.isfinite(norm)
-            self.nonfinite[layer] += (~finite).sum().to(self.master)
-            self.zero[layer] += (finite & (norm == 0)).sum().to(self.master)
-            x[~ok] = 0.0
+        inv = norm.reciprocal()  # (M,)
+        if not all_ok:  # NaN/inf or zero vectors are counted, then zeroed out
+            self.nonfinite[layer] += (~finite).sum()
+            self.zero[layer] += (finite & ~ok).sum()
+            h = h.masked_fill(~ok.unsqueeze(1), 0)
+            inv = torch.where(ok, inv, 0.0)
             counts = ok.long()
+        if self.moments is not None:
+            self.moments.add(layer, h, ok)
+        x = h * inv.unsqueeze(1)  # (M, d) float64 û (type promotion: exact upcast, float64 product)
         if uniq is None:
             self.sums[layer].index_add_(0, index, x)
             self.counts[layer].index_add_(0, index, counts)
@@ -69,14 +219,91 @@ class TokenSums:
             partial = torch.zeros(len(uniq), d, dtype=torch.float64, device=x.device)
             partial.index_add_(0, index, x)  # (U, d)
             count = torch.zeros(len(uniq), dtype=torch.int64, device=x.device).index_add_(0, index, counts)
-            self.sums[layer].index_add_(0, uniq_master, partial.to(self.master))
-            self.counts[layer].index_add_(0, uniq_master, count.to(self.master))
+            self.sums[layer].index_add_(0, uniq, partial.to(self.master))
+            self.counts[layer].index_add_(0, uniq, count.to(self.master))
+
+    # ------------------------------------------------------------ reading the sums
+
+    def layer_rows(self, layer: int, chunk_rows: int | None = None
+                   ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(token ids ascending (m,), counts (m,), Σû (m, d) float64) of one layer, in chunks of at
+        most `chunk_rows` rows; token types whose count is 0 at this layer are left out."""
+        chunk_rows = chunk_rows or max(256, (16 << 20) // (8 * self.d))
+        order = np.argsort(self.tokens[: self.used], kind="stable")
+        mem_ids = self.tokens[: self.used][order]  # (U,) ascending
+        mem_idx = torch.from_numpy(order).to(self.master)
+        counts_mem = self.counts[layer][: self.used].index_select(0, mem_idx).cpu().numpy()
+        if not self.spills:
+            for a in range(0, len(mem_ids), chunk_rows):
+                b = min(a + chunk_rows, len(mem_ids))
+                S = self.sums[layer].index_select(0, mem_idx[a:b]).cpu().numpy()
+                keep = counts_mem[a:b] > 0
+                yield mem_ids[a:b][keep], counts_mem[a:b][keep], S[keep]
+            return
+        spilled = [(np.load(p / "tokens.npy"), np.load(p / "counts.npy")[layer], open(p / f"sums{layer}.f64", "rb"))
+                   for p in self.spills]  # read by explicit ranges (no memory map: RSS stays bounded)
+        try:
+            yield from self._merged(spilled, mem_ids, mem_idx, counts_mem, layer, chunk_rows)
+        finally:
+            for _, _, f in spilled:
+                f.close()
+
+    def _merged(self, spilled, mem_ids, mem_idx, counts_mem, layer, chunk_rows):
+        row = 8 * self.d
+        for lo in range(0, self.V, chunk_rows):  # token-id ranges: each source adds ≤ chunk_rows rows
+            hi = min(lo + chunk_rows, self.V)
+            S = np.zeros((hi - lo, self.d), dtype=np.float64)
+            n = np.zeros(hi - lo, dtype=np.int64)
+            for ids, cnt, f in spilled:
+                i, j = np.searchsorted(ids, [lo, hi])
+                if j > i:
+                    f.seek(i * row)
+                    S[ids[i:j] - lo] += np.fromfile(f, dtype=np.float64, count=(j - i) * self.d).reshape(j - i, self.d)
+                    n[ids[i:j] - lo] += cnt[i:j]
+            i, j = np.searchsorted(mem_ids, [lo, hi])
+            if j > i:
+                S[mem_ids[i:j] - lo] += self.sums[layer].index_select(0, mem_idx[i:j]).cpu().numpy()
+                n[mem_ids[i:j] - lo] += counts_mem[i:j]
+            keep = np.flatnonzero(n)
+            if len(keep):
+                yield keep + lo, n[keep], S[keep]
+
+    def dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counts (V,), Σû (V, d)) of one layer as dense tables: for tests and small vocabularies."""
+        counts = torch.zeros(self.V, dtype=torch.int64)
+        sums = torch.zeros(self.V, self.d, dtype=torch.float64)
+        for ids, n, S in self.layer_rows(layer):
+            counts[ids] = torch.from_numpy(n)
+            sums[ids] = torch.from_numpy(np.ascontiguousarray(S))
+        return counts, sums
+
+    def token_types(self) -> int:
+        """Distinct token types counted at layer 0 (all spills included)."""
+        return sum(len(ids) for ids, _, _ in self.layer_rows(0))
+
+
+def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, h: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of one batch, written for `torch.compile`: sums (U, d) float64 += û of the rows of
+    h (M, d) at `index` (M,), counts += 1 per finite non-zero row.  Returns the number of rows
+    with NaN/inf and with zero norm (device tensors: no sync).  Compiled, the norm is one
+    reduction and the upcast, scaling, masking and scatter-add one kernel with float64 atomics,
+    so the (M, d) float64 û is never materialised; eager, it is the same arithmetic."""
+    norm = torch.linalg.vector_norm(h, dim=1, dtype=torch.float64)  # (M,)
+    finite = norm.isfinite()
+    ok = finite & (norm > 0)
+    inv = torch.where(ok, norm.reciprocal(), 0.0)  # (M,)
+    x = torch.where(ok.unsqueeze(1), h.to(torch.float64) * inv.unsqueeze(1), 0.0)  # (M, d)
+    sums.index_add_(0, index, x)
+    counts.index_add_(0, index, ok.long())
+    return (~finite).sum(), (finite & ~ok).sum()
 
 
 class Moments:
     """Per layer: n, Σh (d,), Σhhᵀ (d, d); per consecutive pair (l, l+1): Σ h_l h_{l+1}ᵀ — float64,
-    over the raw hidden states.  A vector with NaN/inf or zero norm is left out of its layer, and
-    a pair's cross moment only takes tokens counted in both layers (`n_pair`)."""
+    over the raw hidden states.  A vector with NaN/inf or zero norm is left out of its layer (the
+    caller zeroes its row, so it adds nothing to any sum), and a pair's cross moment only takes
+    tokens counted in both layers (`n_pair`).  Counts stay on the device: no host sync."""
 
     def __init__(self, n_layers: int, d: int, device: torch.device | str, cross: bool = True):
         dev = torch.device(device)
@@ -85,26 +312,23 @@ class Moments:
         self.s2 = torch.zeros(n_layers, d, d, dtype=torch.float64, device=dev)
         self.cross = torch.zeros(n_layers - 1, d, d, dtype=torch.float64, device=dev) if cross else None
         self.n_pair = torch.zeros(n_layers - 1, dtype=torch.int64, device=dev)
-        self._prev: tuple[int, torch.Tensor, torch.Tensor, bool] | None = None
+        self._prev: tuple[int, torch.Tensor, torch.Tensor] | None = None
 
-    def add(self, layer: int, x: torch.Tensor, ok: torch.Tensor, all_ok: bool) -> None:
-        """x: (M, d) float64 raw vectors of the batch's counted positions; ok: (M,) bool,
-        all_ok = ok.all() (computed once by the caller)."""
-        xs = x if all_ok else x[ok]  # (M', d)
-        self.n[layer] += len(xs)
-        self.s1[layer] += xs.sum(0)
-        self.s2[layer].addmm_(xs.T, xs)
+    def add(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> None:
+        """h: (M, d) raw vectors of the batch's counted positions, rows that are not ok zeroed;
+        ok: (M,) bool."""
+        dev = self.s1.device
+        x = h.to(dev, torch.float64)  # (M, d)
+        ok = ok.to(dev)
+        self.n[layer] += ok.sum()
+        self.s1[layer] += x.sum(0)
+        self.s2[layer].addmm_(x.T, x)
         if self.cross is not None and self._prev is not None and self._prev[0] == layer - 1:
-            _, px, pok, p_all_ok = self._prev
-            if p_all_ok and all_ok:
-                self.cross[layer - 1].addmm_(px.T, x)
-                self.n_pair[layer - 1] += len(x)
-            else:
-                both = pok & ok
-                self.cross[layer - 1].addmm_(px[both].T, x[both])
-                self.n_pair[layer - 1] += int(both.sum())
+            _, px, pok = self._prev
+            self.cross[layer - 1].addmm_(px.T, x)  # a zeroed row on either side adds nothing
+            self.n_pair[layer - 1] += (pok & ok).sum()
         if self.cross is not None:
-            self._prev = (layer, x.clone(), ok, all_ok)  # x is normalised in place afterwards
+            self._prev = (layer, x, ok)
 
 
 class Sample:
@@ -134,6 +358,6 @@ class Sample:
         self._plan = (old, new, resort)
 
     def add(self, layer: int, x: torch.Tensor) -> None:
-        """x: (M, d) float64 raw vectors, rows in the order of the keys given to set_batch."""
+        """x: (M, d) raw vectors, rows in the order of the keys given to set_batch."""
         old, new, resort = self._plan
         self.vecs[layer] = torch.cat([self.vecs[layer][old], x[new.to(x.device)].float().cpu()])[resort]

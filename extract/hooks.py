@@ -7,40 +7,36 @@ from typing import Callable, Iterator
 
 import torch
 
-from .architectures import Family, get_module
+from .architectures import Layout, block_input, block_output, get_module
 
 
-def _hidden(output) -> torch.Tensor:
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-def layer_kinds(model: torch.nn.Module, family: Family) -> list[str]:
+def layer_kinds(model: torch.nn.Module, layout: Layout) -> list[str]:
     """The kind of every layer index: embedding, block × L, and final_norm when there is one."""
-    blocks = get_module(model, family.blocks)
+    blocks = get_module(model, layout.blocks)
     kinds = ["embedding"] + ["block"] * len(blocks)
-    if get_module(model, family.final_norm) is not None:
+    if get_module(model, layout.final_norm) is not None:
         kinds.append("final_norm")
     return kinds
 
 
 @contextlib.contextmanager
 def capture_layers(
-    model: torch.nn.Module, family: Family, callback: Callable[[int, torch.Tensor], None]
+    model: torch.nn.Module, layout: Layout, callback: Callable[[int, torch.Tensor], None]
 ) -> Iterator[int]:
     """Call `callback(layer, hidden)` with hidden (B, T, d) for every layer during a forward.
 
     layer 0 is block 1's input (pre-hook), layer i block i's output, layer L + 1 the final norm's
     output.  Yields the number of layer indices.
     """
-    blocks = get_module(model, family.blocks)
-    final = get_module(model, family.final_norm)
+    blocks = get_module(model, layout.blocks)
+    final = get_module(model, layout.final_norm)
     handles = []
 
     def pre_hook(module, args, kwargs):
-        callback(0, args[0] if args else kwargs["hidden_states"])
+        callback(0, block_input(args, kwargs))
 
     def post_hook(index):
-        return lambda module, args, output: callback(index, _hidden(output))
+        return lambda module, args, output: callback(index, block_output(output))
 
     try:
         handles.append(blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .architectures import Family, family_for
+from .architectures import Layout, discover
 from .errors import UserError
 
 PYTHIA_SIZES = ("14m", "31m", "70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")
@@ -102,12 +102,19 @@ class Loaded:
     ref: ModelRef
     checkpoint: str
     step: int | None
-    family: Family
-    model: torch.nn.Module  # the head model, in the compute dtype, eval mode
+    layout: Layout
+    model: torch.nn.Module  # the head model, on the device, eval mode (stored dtype until `to_compute`)
     tokenizer: object
     missing_keys: frozenset[str]
     revision_hash: str | None
     context: int
+    prefix: tuple[int, ...] = ()  # special tokens the tokenizer puts before a text (BOS, [CLS])
+    suffix: tuple[int, ...] = ()  # and after it ([SEP], </s>)
+
+    @property
+    def d(self) -> int:
+        """Width of the hidden states (layers 0 … L+1)."""
+        return self.layout.d
 
 
 def _where(ref: ModelRef, checkpoint: str) -> tuple[str, str | None]:
@@ -127,11 +134,53 @@ def _one_line(e: Exception) -> str:
     return text[:300]
 
 
+def head_of(config) -> str:
+    """causal | masked | base: encoders load with their masked-LM head, decoders with their causal
+    one, anything else without a head (the unembedding is then unknown)."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "masked"
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "causal"
+    return "base"
+
+
+def forward_kwargs(head: str) -> dict:
+    return {"use_cache": False} if head == "causal" else {}
+
+
+def special_template(tok) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The special tokens the tokenizer adds around one text by default: (prefix, suffix).
+
+    Read off the tokenizer itself: a probe text encoded with and without special tokens; the
+    difference is the template (BOS for Llama-like decoders, [CLS] … [SEP] for BERT, <s> … </s>
+    for RoBERTa, nothing for GPT-NeoX)."""
+    probe = "Hello world, this is a probe."
+    plain = list(tok(probe, add_special_tokens=False)["input_ids"])
+    full = list(tok(probe, add_special_tokens=True)["input_ids"])
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            return tuple(full[:i]), tuple(full[i + len(plain):])
+    special = set(getattr(tok, "all_special_ids", []))
+    i = 0
+    while i < len(full) and full[i] in special:
+        i += 1
+    j = len(full)
+    while j > i and full[j - 1] in special:
+        j -= 1
+    return tuple(full[:i]), tuple(full[j:])
+
+
 def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
-         trust_remote_code: bool = False) -> Loaded:
-    """Load tokenizer and weights as a user's model is loaded: safetensors preferred, no remote code."""
+         trust_remote_code: bool = False, modules: dict | None = None) -> Loaded:
+    """Load tokenizer and weights as a user's model is loaded: safetensors preferred, no remote code.
+
+    Weights go straight to `device` in their stored dtype (no float32 copy on the host); the
+    parameter tables are computed from them there, then `to_compute` casts in place."""
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -149,30 +198,37 @@ def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
     common = {"revision": revision, "trust_remote_code": trust_remote_code}
     try:
         config = AutoConfig.from_pretrained(where, **common)
-        family = family_for(config.model_type)
-        auto = AutoModelForCausalLM if family.head == "causal" else AutoModelForMaskedLM
-        # Weights in their stored dtype; parameters are read from these before any cast.
+        head = head_of(config)
+        auto = {"causal": AutoModelForCausalLM, "masked": AutoModelForMaskedLM, "base": AutoModel}[head]
         model, info = auto.from_pretrained(
-            where, dtype="auto", output_loading_info=True, **common
+            where, dtype="auto", device_map=torch.device(device), output_loading_info=True, **common
         )
         tokenizer = AutoTokenizer.from_pretrained(where, **common)
     except UserError:
         raise
-    except (OSError, ValueError, EnvironmentError) as e:
+    except (OSError, ValueError, EnvironmentError, KeyError) as e:
         offline = " (offline: only locally cached models can be loaded)" if os.environ.get("HF_HUB_OFFLINE") else ""
         raise UserError(f"cannot load model {ref.location!r} at {checkpoint!r}{offline}: {_one_line(e)}") from None
     model.eval()
-    context = int(getattr(config, "max_position_embeddings", 0) or getattr(config, "n_positions", 0) or 2048)
+    layout = discover(model, head, modules, forward_kwargs(head))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    context = int(getattr(text, "max_position_embeddings", 0) or getattr(text, "n_positions", 0) or 2048)
     emb_rows = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > emb_rows:
         raise UserError(
             f"tokenizer of {ref.location!r} has {len(tokenizer)} tokens but the embedding has only {emb_rows} rows"
         )
+    prefix, suffix = special_template(tokenizer)
     return Loaded(
-        ref=ref, checkpoint=checkpoint, step=parse_step(checkpoint), family=family, model=model,
+        ref=ref, checkpoint=checkpoint, step=parse_step(checkpoint), layout=layout, model=model,
         tokenizer=tokenizer, missing_keys=frozenset(info.get("missing_keys", ())),
-        revision_hash=getattr(config, "_commit_hash", None), context=context,
+        revision_hash=getattr(config, "_commit_hash", None), context=context, prefix=prefix, suffix=suffix,
     )
+
+
+def to_compute(loaded: Loaded, dtype: torch.dtype, device: str) -> None:
+    """Cast the weights in place to the compute dtype (and device, where loading put them elsewhere)."""
+    loaded.model.to(device=device, dtype=dtype)
 
 
 def check_dtype(dtype: torch.dtype, device: str) -> None:

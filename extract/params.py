@@ -13,42 +13,134 @@ from .architectures import get_module, is_norm
 from .models import Loaded
 
 
-def partition_rows(W: torch.Tensor) -> dict[str, list]:
-    """Eigen-decomposition of WᵀW and log Z(±c), raw and centred. W: (V, d), rows as stored."""
+def release_memory() -> None:
+    """Hand freed host memory back to the OS.  glibc keeps freed chunks below its (dynamic) mmap
+    threshold in the heap, so a pass over a 128k × d matrix in chunks leaves hundreds of MB of
+    RSS behind; malloc_trim returns them (a no-op elsewhere)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def limit_malloc_arenas(n: int = 2) -> None:
+    """glibc gives each thread that allocates its own heap arena (up to 8 × cores); PyTorch's
+    intra-op threads then fragment the per-batch temporaries over many arenas, ~100 MB of RSS
+    for nothing here.  Two arenas (M_ARENA_MAX) keep that bounded; a no-op elsewhere."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-8, n)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
+def page_out(t: torch.Tensor) -> None:
+    """Ask the kernel to reclaim the resident pages of a CPU tensor (MADV_PAGEOUT, Linux ≥ 5.4).
+
+    Weights loaded from safetensors are file-backed memory maps: reading all of W for the
+    partition function makes every page resident, though afterwards the forward touches only
+    the embedding rows of the tokens seen (and never the unembedding).  Clean file pages are
+    dropped and fault back in from the page cache when read; nothing is lost.  Anonymous
+    memory without swap stays; on other systems this is a no-op."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return
+    import ctypes
+    import mmap
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end > start:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 21)  # MADV_PAGEOUT
+
+
+def _float64_device(device: torch.device) -> torch.device:
+    """The parameters' device where it computes in float64, else the CPU (e.g. Apple's MPS)."""
+    try:
+        torch.zeros(1, dtype=torch.float64, device=device).sum().item()
+        return device
+    except (RuntimeError, TypeError):
+        return torch.device("cpu")
+
+
+def partition_rows(W: torch.Tensor, chunk_bytes: int = 1 << 22) -> dict[str, list]:
+    """Eigen-decomposition of WᵀW and log Z(±c), raw and centred. W: (V, d), rows as stored.
+
+    Computed where W lives (float64 there, CPU fallback), in chunks of rows so that memory is
+    O(chunk · d + d²) whatever V is: one pass for the means, one for the Gram matrices, one for
+    the projections.  The centred Gram matrix shares the raw one: (W−μ)ᵀ(W−μ) = WᵀW − V·μμᵀ, and
+    (W−μ)c = Wc − μ·c.  The authors' float32 convention gets its own float32 Gram matrices."""
+    W = W.detach()
+    dev = _float64_device(W.device)
+    V, d = W.shape
+    rows = max(1, chunk_bytes // (8 * d))
+    chunks = [(a, min(a + rows, V)) for a in range(0, V, rows)]
+
+    def part(a, b, dt):
+        return W[a:b].to(dev, dt, copy=True)  # (rows, d), never a view of the model's weights
+
+    total = torch.zeros(d, dtype=torch.float64, device=dev)
+    total32 = torch.zeros(d, dtype=torch.float32, device=dev)
+    for a, b in chunks:
+        total += part(a, b, torch.float64).sum(0)
+        total32 += part(a, b, torch.float32).sum(0)
+    mu, mu32 = total / V, total32 / V  # (d,)
+    G = torch.zeros(d, d, dtype=torch.float64, device=dev)
+    G32 = torch.zeros(2, d, d, dtype=torch.float32, device=dev)  # raw, centred
+    for a, b in chunks:
+        w = part(a, b, torch.float64)
+        G.addmm_(w.T, w)
+        w32 = part(a, b, torch.float32)
+        G32[0].addmm_(w32.T, w32)
+        wc32 = w32 - mu32
+        G32[1].addmm_(wc32.T, wc32)
+    grams = (G, G - V * torch.outer(mu, mu))  # raw, centred: (d, d) each
+    eig = [torch.linalg.eigh(g) for g in grams]  # (d,), (d, d): columns are eigenvectors
+    eig32 = [torch.linalg.eigh(G32[i])[1] for i in range(2)]
+    lse = torch.full((2, 2, d), -torch.inf, dtype=torch.float64, device=dev)  # centred, sign, eig
+    z32 = torch.zeros(2, d, dtype=torch.float32, device=dev)
+    for a, b in chunks:
+        w = part(a, b, torch.float64)
+        w32 = part(a, b, torch.float32)
+        for c, (_, evecs) in enumerate(eig):
+            proj = w @ evecs  # (rows, d): ⟨c_k, W_i⟩
+            if c:
+                proj -= mu @ evecs
+            lse[c, 0] = torch.logaddexp(lse[c, 0], torch.logsumexp(proj, dim=0))
+            lse[c, 1] = torch.logaddexp(lse[c, 1], torch.logsumexp(-proj, dim=0))
+            # The authors' convention, in float32 from end to end (may overflow to inf).
+            z32[c] += torch.exp((w32 - mu32 if c else w32) @ eig32[c]).sum(0)
     out = {k: [] for k in ("centered", "eig_index", "eigenvalue", "log_z_pos", "log_z_neg", "z_eigh_sign")}
-    W64 = W.detach().to("cpu", torch.float64)  # (V, d)
-    W32 = W.detach().to("cpu", torch.float32)
-    for centered in (False, True):
-        A = W64 - W64.mean(0, keepdim=True) if centered else W64  # (V, d)
-        evals, evecs = torch.linalg.eigh(A.T @ A)  # (d,), (d, d): columns are eigenvectors
-        proj = A @ evecs  # (V, d): ⟨c_k, W_i⟩
-        log_pos = torch.logsumexp(proj, dim=0)  # (d,)
-        log_neg = torch.logsumexp(-proj, dim=0)
-        # The authors' convention, in float32 from end to end.
-        B = W32 - W32.mean(0, keepdim=True) if centered else W32
-        _, evecs32 = torch.linalg.eigh(B.T @ B)
-        z32 = torch.exp(B @ evecs32).sum(0)  # (d,) may overflow to inf
-        d = W.shape[1]
-        out["centered"] += [centered] * d
+    for c in (0, 1):
+        out["centered"] += [bool(c)] * d
         out["eig_index"] += list(range(d))
-        out["eigenvalue"] += evals.tolist()
-        out["log_z_pos"] += log_pos.tolist()
-        out["log_z_neg"] += log_neg.tolist()
-        out["z_eigh_sign"] += z32.double().tolist()
+        out["eigenvalue"] += eig[c][0].tolist()
+        out["log_z_pos"] += lse[c, 0].tolist()
+        out["log_z_neg"] += lse[c, 1].tolist()
+        out["z_eigh_sign"] += z32[c].double().tolist()
     return out
 
 
 def partition_table(loaded: Loaded) -> dict[str, list]:
-    model, family = loaded.model, loaded.family
-    emb = get_module(model, family.embedding).weight
-    unemb_mod = get_module(model, family.unembedding)
-    if unemb_mod is None:
-        raise RuntimeError(f"{family.name}: no unembedding module at {family.unembedding!r}; update FAMILIES")
-    tied = unemb_mod.weight.data_ptr() == emb.data_ptr()
+    model, layout = loaded.model, loaded.layout
+    emb = get_module(model, layout.embedding).weight
+    unemb_mod = get_module(model, layout.unembedding)
+    unemb_w = getattr(unemb_mod, "weight", None)
+    tied = unemb_w is not None and unemb_w.data_ptr() == emb.data_ptr()
     # An untied unembedding that the checkpoint did not hold (an encoder saved without its
-    # head) was freshly initialised: it is not the model's, so it is left out.
-    missing = not tied and f"{family.unembedding}.weight" in loaded.missing_keys
-    unemb = None if missing else unemb_mod.weight
+    # head) was freshly initialised: it is not the model's, so it is left out; so is a model
+    # with no LM head at all.
+    missing = unemb_w is None or (not tied and f"{layout.unembedding}.weight" in loaded.missing_keys)
+    unemb = None if missing else unemb_w
     rows: dict[str, list] = {}
     cache = {}
     for matrix, W in (("embedding", emb), ("unembedding", unemb)):
@@ -57,6 +149,8 @@ def partition_table(loaded: Loaded) -> dict[str, list]:
         key = W.data_ptr()
         if key not in cache:
             cache[key] = partition_rows(W)
+            page_out(W)
+            release_memory()
         part = cache[key]
         n = len(part["eig_index"])
         for k, v in part.items():
@@ -69,8 +163,8 @@ def partition_table(loaded: Loaded) -> dict[str, list]:
 
 def norm_table(loaded: Loaded) -> dict[str, list]:
     """Every LayerNorm/RMSNorm whose weights were loaded from the checkpoint (not freshly initialised)."""
-    model, family = loaded.model, loaded.family
-    final = get_module(model, family.final_norm)
+    model, layout = loaded.model, loaded.layout
+    final = get_module(model, layout.final_norm)
     rows = {k: [] for k in ("module", "norm_type", "is_final", "dim", "gain", "bias")}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)

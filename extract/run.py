@@ -26,12 +26,12 @@ from tqdm import tqdm
 from warehouse import schema, store
 
 from . import faults
-from .accumulate import Moments, Sample, TokenSums
+from .accumulate import Moments, Sample, TokenSums, available_memory
 from .architectures import get_module
 from .errors import UserError
 from .hooks import capture_layers, layer_kinds
-from .models import DTYPES, Loaded, ModelRef, check_dtype, load
-from .params import norm_table, partition_table, vocab_table
+from .models import DTYPES, Loaded, ModelRef, check_dtype, forward_kwargs, load, to_compute
+from .params import limit_malloc_arenas, norm_table, partition_table, release_memory, vocab_table
 from .sources import ReadStats, SentenceSplitter, Source, fingerprint, indexed_documents, position_keys, source_salt
 
 
@@ -51,10 +51,16 @@ class Settings:
     skip_done: bool = False  # keep finished (checkpoint, source, shard) runs with the same settings
     moments: bool = False  # Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (issue: peers' metrics)
     sample: int = 0  # K: bottom-k sample of token vectors per layer (0 = none)
+    special_tokens: bool = False  # count the positions of the tokenizer's special tokens (BOS, [CLS], …)
+    memory_budget: int | None = None  # bytes for the token sums; None: half the memory free at the start
+    spill_dir: str | None = None  # where sums beyond the budget are spilled (default: the system's temp dir)
+    modules: dict = field(default_factory=dict)  # --module ROLE=PATH overrides of the discovered layout
 
 
 # Settings that change a run's numbers: a finished run with the same ones can be kept (--skip-done).
-RESULT_SETTINGS = ("unit", "max_length", "max_tokens", "dtype", "shard", "vector_dtype", "pile_set", "moments", "sample")
+RESULT_SETTINGS = ("unit", "max_length", "max_tokens", "dtype", "shard", "vector_dtype", "pile_set", "moments",
+                   "sample", "special_tokens", "modules")
+DEFAULT_MAX_LENGTH = 4096  # windows of at most this many tokens unless --max-length says otherwise
 
 
 @dataclass
@@ -70,6 +76,8 @@ class SourceResult:
     skipped_lines: int = 0
     filtered: int = 0
     seconds: float = 0.0
+    spills: int = 0  # times the token sums were spilled to stay under the memory budget
+    accumulator_peak_bytes: int = 0
     files: dict = field(default_factory=dict)
 
 
@@ -99,13 +107,21 @@ def package_versions() -> dict[str, str]:
 # ---------------------------------------------------------------- token windows
 
 
+def max_window(loaded: Loaded, settings: Settings) -> int:
+    """Tokens per window, the tokenizer's special tokens included."""
+    return settings.max_length or min(loaded.context, DEFAULT_MAX_LENGTH)
+
+
 def windows(loaded: Loaded, texts: Iterator[tuple[int, str]], settings: Settings, result: SourceResult,
             splitter: SentenceSplitter | None) -> Iterator[tuple[list[int], int, int]]:
     """Token windows (ids, document index, position of the first token in the document's token
-    stream): documents or sentences, cut into --max-length pieces."""
-    tok, fam = loaded.tokenizer, loaded.family
-    max_len = settings.max_length or loaded.context
-    content = max_len - 2 if fam.special_tokens else max_len
+    stream): documents or sentences, tokenised without special tokens and cut into pieces that
+    leave room for the ones the tokenizer adds (`batches` adds them)."""
+    tok = loaded.tokenizer
+    content = max_window(loaded, settings) - len(loaded.prefix) - len(loaded.suffix)
+    if content < 1:
+        raise UserError(f"--max-length {max_window(loaded, settings)} leaves no room beside the tokenizer's "
+                        f"{len(loaded.prefix) + len(loaded.suffix)} special tokens")
     budget = settings.max_tokens
     chunk: list[str] = []
     docs: list[int] = []
@@ -144,31 +160,42 @@ def windows(loaded: Loaded, texts: Iterator[tuple[int, str]], settings: Settings
         yield from flush()
 
 
-def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_size: int, device: str
+def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_size: int,
+            count_special: bool = False
             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Padded batches (input_ids, attention_mask, counted, where), the first three (B, T) on the
-    device and `where` (B, T, 2) on the CPU: each position's document index and position in the
-    document.  Windows are sorted by length within a buffer of 32 batches to waste little padding."""
-    fam, tok = loaded.family, loaded.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    """Padded batches (input_ids, attention_mask, counted, where) on the host, (B, T) each and
+    `where` (B, T, 2): each position's document index and position in the document.  Every
+    window gets the special tokens the tokenizer adds by default (`loaded.prefix`/`suffix`:
+    BOS, [CLS] … [SEP]); their positions are not counted unless `count_special`, and a special
+    token id met inside the text (e.g. a literal "<|endoftext|>") is not counted either: that is
+    the tokenizer's special-tokens mask.  Counted specials get negative positions (−1 − k·8 − j
+    for the j-th special of the window starting at k), never a text position.  Windows are
+    sorted by length within a buffer of 32 batches to waste little padding."""
+    tok = loaded.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    prefix, suffix = list(loaded.prefix), list(loaded.suffix)
+    special_ids = torch.tensor(sorted(set(getattr(tok, "all_special_ids", []) or [])), dtype=torch.long)
 
     def make(group):
-        seqs = []
-        for ids, _, _ in group:
-            seqs.append([tok.cls_token_id, *ids, tok.sep_token_id] if fam.special_tokens else ids)
-        T = max(len(s) for s in seqs)
-        input_ids = torch.full((len(seqs), T), pad, dtype=torch.long)
-        mask = torch.zeros((len(seqs), T), dtype=torch.long)
-        counted = torch.zeros((len(seqs), T), dtype=torch.bool)
-        where = torch.zeros((len(seqs), T, 2), dtype=torch.long)
-        for i, (s, (ids, doc, start)) in enumerate(zip(seqs, group)):
-            input_ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
-            first = 1 if fam.special_tokens else 0
-            counted[i, first : first + len(ids)] = True
-            where[i, first : first + len(ids), 0] = doc
-            where[i, first : first + len(ids), 1] = torch.arange(start, start + len(ids))
-        return input_ids.to(device), mask.to(device), counted.to(device), where
+        T = max(len(ids) for ids, _, _ in group) + len(prefix) + len(suffix)
+        input_ids = torch.full((len(group), T), pad, dtype=torch.long)
+        mask = torch.zeros((len(group), T), dtype=torch.long)
+        counted = torch.zeros((len(group), T), dtype=torch.bool)
+        where = torch.zeros((len(group), T, 2), dtype=torch.long)
+        for i, (ids, doc, start) in enumerate(group):
+            n, p = len(ids), len(prefix)
+            input_ids[i, : p + n + len(suffix)] = torch.tensor(prefix + ids + suffix)
+            mask[i, : p + n + len(suffix)] = 1
+            text = torch.tensor(ids)
+            counted[i, p : p + n] = ~torch.isin(text, special_ids)
+            where[i, :, 0] = doc
+            where[i, p : p + n, 1] = torch.arange(start, start + n)
+            if count_special:
+                spec = list(range(p)) + list(range(p + n, p + n + len(suffix)))
+                counted[i, spec] = True
+                where[i, spec, 1] = torch.tensor([-1 - start * 8 - j for j in range(len(spec))], dtype=torch.long)
+                counted[i, p : p + n] = True
+        return input_ids, mask, counted, where
 
     buffer: list[tuple[list[int], int, int]] = []
     for w in wins:
@@ -186,62 +213,78 @@ def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_si
 # ---------------------------------------------------------------- one source
 
 
-def forward_kwargs(loaded: Loaded) -> dict:
-    return {"use_cache": False} if loaded.family.head == "causal" else {}
+def memory_budget(settings: Settings) -> int:
+    """Bytes the token sums may hold: --memory-budget, else half of what the accumulator's device
+    has free when the source starts (after the model is loaded)."""
+    if settings.memory_budget is not None:
+        return settings.memory_budget
+    return available_memory(torch.device(settings.accumulator_device or settings.device)) // 2
 
 
 def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result: SourceResult
                       ) -> TokenSums:
-    base = get_module(loaded.model, loaded.family.base)
-    emb = get_module(loaded.model, loaded.family.embedding)
-    kinds = layer_kinds(loaded.model, loaded.family)
-    d = emb.weight.shape[1]
-    acc = TokenSums(len(kinds), emb.weight.shape[0], d, settings.device, settings.accumulator_device)
-    if settings.moments:
-        acc.moments = Moments(len(kinds), d, settings.accumulator_device or settings.device)
-    if settings.sample:
-        acc.sample = Sample(len(kinds), settings.sample, d)
-    salt = source_salt(source.name)
-    stats = ReadStats()
-    splitter = SentenceSplitter() if settings.unit == "sentence" else None
-    texts = indexed_documents(source, settings.shard, stats)
-    kwargs = forward_kwargs(loaded)
-    bar = tqdm(desc=f"{loaded.ref.name}@{loaded.checkpoint} {source.name}", unit="tok",
-               unit_scale=True, total=settings.max_tokens, mininterval=1.0, file=sys.stderr,
-               disable=None)
-    start = time.perf_counter()
-    with torch.inference_mode(), capture_layers(loaded.model, loaded.family, acc.add):
-        for input_ids, mask, counted, where in batches(
-            loaded, windows(loaded, texts, settings, result, splitter), settings.batch_size, settings.device
-        ):
-            n = acc.set_batch(input_ids, counted)
-            if acc.sample is not None:
-                w = where[counted.cpu()]  # (M, 2): document, position
-                keys = torch.from_numpy(position_keys(salt, w[:, 0].numpy(), w[:, 1].numpy()))
-                acc.sample.set_batch(keys, torch.cat([w, input_ids[counted].cpu()[:, None]], 1))
-            base(input_ids=input_ids, attention_mask=mask, **kwargs)
-            faults.hit("forward")
-            result.tokens += n
-            result.windows += input_ids.shape[0]
-            bar.update(n)
-    bar.close()
-    result.seconds = time.perf_counter() - start
-    result.documents = stats.documents
-    result.replaced_lines = stats.replaced_lines
-    result.skipped_lines = stats.skipped_lines
-    result.filtered = stats.filtered
-    result.nonfinite = int(acc.nonfinite.sum())
-    result.zero = int(acc.zero.sum())
-    return acc
+    """Stream one source through the model; the caller must `close()` the returned sums."""
+    layout = loaded.layout
+    base = get_module(loaded.model, layout.base)
+    emb = get_module(loaded.model, layout.embedding)
+    kinds = layer_kinds(loaded.model, layout)
+    d = loaded.d
+    acc = TokenSums(len(kinds), emb.weight.shape[0], d, settings.device, settings.accumulator_device,
+                    budget=memory_budget(settings), spill_dir=settings.spill_dir)
+    try:
+        if settings.moments:
+            acc.moments = Moments(len(kinds), d, settings.accumulator_device or settings.device)
+        if settings.sample:
+            acc.sample = Sample(len(kinds), settings.sample, d)
+        salt = source_salt(source.name)
+        stats = ReadStats()
+        splitter = SentenceSplitter() if settings.unit == "sentence" else None
+        texts = indexed_documents(source, settings.shard, stats)
+        kwargs = forward_kwargs(layout.head)
+        bar = tqdm(desc=f"{loaded.ref.name}@{loaded.checkpoint} {source.name}", unit="tok",
+                   unit_scale=True, total=settings.max_tokens, mininterval=1.0, file=sys.stderr,
+                   disable=None)
+        start = time.perf_counter()
+        with torch.inference_mode(), capture_layers(loaded.model, layout, acc.add):
+            for input_ids, mask, counted, where in batches(
+                loaded, windows(loaded, texts, settings, result, splitter), settings.batch_size,
+                settings.special_tokens
+            ):
+                n = acc.set_batch(input_ids, counted)
+                if acc.sample is not None:
+                    w = where[counted]  # (M, 2): document, position
+                    keys = torch.from_numpy(position_keys(salt, w[:, 0].numpy(), w[:, 1].numpy()))
+                    acc.sample.set_batch(keys, torch.cat([w, input_ids[counted][:, None]], 1))
+                base(input_ids=input_ids.to(settings.device, non_blocking=True),
+                     attention_mask=mask.to(settings.device, non_blocking=True), **kwargs)
+                faults.hit("forward")
+                result.tokens += n
+                result.windows += input_ids.shape[0]
+                bar.update(n)
+        bar.close()
+        result.seconds = time.perf_counter() - start
+        result.documents = stats.documents
+        result.replaced_lines = stats.replaced_lines
+        result.skipped_lines = stats.skipped_lines
+        result.filtered = stats.filtered
+        result.nonfinite = int(acc.nonfinite.sum())
+        result.zero = int(acc.zero.sum())
+        result.spills = len(acc.spills)
+        result.accumulator_peak_bytes = acc.peak_bytes
+        return acc
+    except BaseException:
+        acc.close()
+        raise
 
 
 def write_sums(root: Path, loaded: Loaded, source: Source, settings: Settings, acc: TokenSums,
                run_id: str) -> dict[str, str]:
-    """token_sums and layer_sums of one (checkpoint, source, shard), one Parquet file each."""
+    """token_sums and layer_sums of one (checkpoint, source, shard), one Parquet file each,
+    written in chunks of token types (memory bounded whatever V and d are)."""
     values = {"model": loaded.ref.name, "checkpoint": loaded.checkpoint, "source": source.name,
               "shard": f"{settings.shard[0]}-of-{settings.shard[1]}"}
     key = {**values, "step": loaded.step}
-    kinds = layer_kinds(loaded.model, loaded.family)
+    kinds = layer_kinds(loaded.model, loaded.layout)
     vec_np = {"float64": np.float64, "float32": np.float32, "float16": np.float16}[settings.vector_dtype]
     tok_schema = schema.TOKEN_SUMS.set(
         schema.TOKEN_SUMS.get_field_index("vec"),
@@ -252,26 +295,28 @@ def write_sums(root: Path, loaded: Loaded, source: Source, settings: Settings, a
     try:
         layer_rows = {k: [] for k in ("layer", "layer_kind", "n_layers", "n", "sum_sq",
                                       "n_nonfinite", "n_zero", "vec")}
+        nonfinite, zero = acc.nonfinite.cpu(), acc.zero.cpu()
         for layer, kind in enumerate(kinds):
-            counts = acc.counts[layer].cpu()
-            ids = counts.nonzero().squeeze(1)  # (U,)
-            S = acc.sums[layer].index_select(0, ids.to(acc.sums.device)).cpu()  # (U, d) float64
-            m, d = S.shape
-            flat = pa.array(S.numpy().astype(vec_np).reshape(-1))
-            vec = pa.ListArray.from_arrays(pa.array(np.arange(0, (m + 1) * d, d, dtype=np.int32)), flat)
-            writers[0].write({
-                **{k: [v] * m for k, v in key.items()},
-                "layer": np.full(m, layer, np.int16), "token_id": ids.numpy().astype(np.int32),
-                "n": counts[ids].numpy(), "sum_sq": (S * S).sum(1).numpy(), "vec": vec,
-            })
-            total = S.sum(0)  # (d,) float64
+            total = np.zeros(loaded.d, dtype=np.float64)  # (d,)
+            n_total = 0
+            for ids, counts, S in acc.layer_rows(layer):  # (m,), (m,), (m, d) float64
+                m, d = S.shape
+                flat = pa.array(S.astype(vec_np).reshape(-1))
+                vec = pa.ListArray.from_arrays(pa.array(np.arange(0, (m + 1) * d, d, dtype=np.int32)), flat)
+                writers[0].write({
+                    **{k: [v] * m for k, v in key.items()},
+                    "layer": np.full(m, layer, np.int16), "token_id": ids.astype(np.int32),
+                    "n": counts, "sum_sq": np.einsum("ij,ij->i", S, S), "vec": vec,
+                })
+                total += S.sum(0)
+                n_total += int(counts.sum())
             layer_rows["layer"].append(layer)
             layer_rows["layer_kind"].append(kind)
             layer_rows["n_layers"].append(len(kinds))
-            layer_rows["n"].append(int(counts.sum()))
+            layer_rows["n"].append(n_total)
             layer_rows["sum_sq"].append(float(total @ total))
-            layer_rows["n_nonfinite"].append(int(acc.nonfinite[layer]))
-            layer_rows["n_zero"].append(int(acc.zero[layer]))
+            layer_rows["n_nonfinite"].append(int(nonfinite[layer]))
+            layer_rows["n_zero"].append(int(zero[layer]))
             layer_rows["vec"].append(total.tolist())
         writers[1].write({**{k: [v] * len(kinds) for k, v in key.items()}, **layer_rows})
         files = {"token_sums": writers[0].close(), "layer_sums": writers[1].close()}
@@ -361,6 +406,7 @@ def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settin
 def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: Path,
             settings: Settings, log=print) -> list[SourceResult]:
     root = Path(root)
+    limit_malloc_arenas()
     dtype = DTYPES[settings.dtype]
     check_dtype(dtype, settings.device)
     store.read_manifest(root)  # fails early on a warehouse of another schema version
@@ -376,28 +422,37 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: 
             if not todo and params_key in manifest["entries"]:
                 log(f"{ref.name}@{checkpoint}: already in the warehouse with these settings; skipped")
                 continue
-        loaded = load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code)
+        loaded = load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code, settings.modules)
         if settings.max_length is not None and settings.max_length > loaded.context:
             raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
-        d = get_module(loaded.model, loaded.family.embedding).weight.shape[1]
+        d = loaded.d
         store.check_compatible(store.read_manifest(root), ref.name, d)
         run_id = store.new_run_id()
-        prov = {**base_prov, "model_revision": loaded.revision_hash or checkpoint}
+        prov = {**base_prov, "model_revision": loaded.revision_hash or checkpoint,
+                "layout": loaded.layout.describe(),
+                "special_tokens": {"prefix": list(loaded.prefix), "suffix": list(loaded.suffix),
+                                   "counted": settings.special_tokens},
+                "max_length": max_window(loaded, settings)}
         written: list[str] = []
         try:
             params_files = write_params(root, loaded, run_id)
             written += params_files.values()
-            loaded.model.to(device=settings.device, dtype=dtype)
+            to_compute(loaded, dtype, settings.device)
             entries = [_entry("params", loaded, run_id, params_files, settings, d, prov=prov)]
             for source in ([] if settings.params_only else todo):
                 result = SourceResult(source.name)
                 acc = accumulate_source(loaded, source, settings, result)
-                if result.tokens == 0:
-                    raise UserError(f"--source {source.name}: {source.describe()}: no tokens to process "
-                                    f"({result.documents} documents after filters)")
-                files = write_sums(root, loaded, source, settings, acc, run_id)
+                release_memory()  # the forward's freed temporaries, before the write allocates
+                try:
+                    if result.tokens == 0:
+                        raise UserError(f"--source {source.name}: {source.describe()}: no tokens to process "
+                                        f"({result.documents} documents after filters)")
+                    files = write_sums(root, loaded, source, settings, acc, run_id)
+                finally:
+                    acc.close()
                 written += files.values()
                 del acc
+                release_memory()
                 result.files = files
                 entries.append(_entry("data", loaded, run_id, files, settings, d, source, result,
                                       {**prov, "source_fingerprint": prints[source.name],

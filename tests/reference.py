@@ -31,33 +31,69 @@ def token_windows(tok, texts, content: int, max_tokens: int | None = None):
                 return
 
 
+def _specials(tok) -> tuple[list[int], list[int]]:
+    """The tokenizer's template around a text, from its own special-tokens mask."""
+    enc = tok("x y z", add_special_tokens=True, return_special_tokens_mask=True)
+    ids, mask = enc["input_ids"], enc["special_tokens_mask"]
+    first = mask.index(0)
+    last = len(mask) - mask[::-1].index(0)
+    return ids[:first], ids[last:]
+
+
 def hidden_states(model_dir: str, texts: list[str], max_length: int, max_tokens: int | None = None):
-    """{layer: (list of token ids, (n, d) float64 array)} over every counted position."""
+    """{layer: (list of token ids, (n, d) float64 array)} over every counted position.
+
+    Windows of `max_length` tokens, the tokenizer's special tokens included (and not counted)."""
     loaded = load(resolve_model(model_dir), "main", torch.float32, "cpu")
-    fam, model, tok = loaded.family, loaded.model.float(), loaded.tokenizer
-    base = get_module(model, fam.base)
-    has_final = get_module(model, fam.final_norm) is not None
+    lay, model, tok = loaded.layout, loaded.model.float(), loaded.tokenizer
+    base = get_module(model, lay.base)
+    has_final = get_module(model, lay.final_norm) is not None
     if has_final:
         bare = copy.deepcopy(model)
-        parent, _, attr = fam.final_norm.rpartition(".")
+        parent, _, attr = lay.final_norm.rpartition(".")
         setattr(get_module(bare, parent), attr, torch.nn.Identity())
-        bare_base = get_module(bare, fam.base)
-    content = max_length - 2 if fam.special_tokens else max_length
+        bare_base = get_module(bare, lay.base)
+    prefix, suffix = _specials(tok)
+    content = max_length - len(prefix) - len(suffix)
     out = defaultdict(lambda: ([], []))
     with torch.no_grad():
         for ids in token_windows(tok, texts, content, max_tokens):
-            seq = [tok.cls_token_id, *ids, tok.sep_token_id] if fam.special_tokens else ids
+            seq = prefix + ids + suffix
             x = torch.tensor([seq])
             hs = base(input_ids=x, output_hidden_states=True).hidden_states
             layers = list(hs)
             if has_final:  # hs = [emb, block 1 … block L−1, final_norm(block L)]
                 last = bare_base(input_ids=x, output_hidden_states=True).hidden_states[-1]
                 layers = layers[:-1] + [last, layers[-1]]
-            keep = slice(1, -1) if fam.special_tokens else slice(None)
+            keep = slice(len(prefix), len(prefix) + len(ids))
             for layer, h in enumerate(layers):
                 out[layer][0].extend(seq[keep])
                 out[layer][1].append(h[0, keep].double().numpy())
     return {k: (np.array(ids), np.concatenate(vs)) for k, (ids, vs) in out.items()}
+
+
+def own_hidden_states(model_dir: str, texts: list[str], special: bool = False):
+    """The model's own `output_hidden_states`, each document fed whole as its tokenizer encodes it
+    by default (special tokens added), loaded with `AutoModel` (nothing of the extractor):
+    {index into hidden_states: (token ids, (n, d) float64)} at the positions that the
+    tokenizer's special-tokens mask marks 0 (or at every position when `special`)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = defaultdict(lambda: ([], []))
+    with torch.no_grad():
+        for text in texts:
+            enc = tok(text, add_special_tokens=True, return_special_tokens_mask=True)
+            ids = torch.tensor([enc["input_ids"]])
+            keep = torch.ones(ids.shape[1], dtype=torch.bool) if special else \
+                torch.tensor(enc["special_tokens_mask"]) == 0
+            hs = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  output_hidden_states=True).hidden_states
+            for i, h in enumerate(hs):
+                out[i][0].extend(ids[0, keep].tolist())
+                out[i][1].append(h[0, keep].double().numpy())
+    return {k: (np.array(v[0]), np.concatenate(v[1])) for k, v in out.items()}
 
 
 def mean_pairwise_cosine(X: np.ndarray) -> float:

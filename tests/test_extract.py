@@ -27,7 +27,7 @@ def test_accumulation_does_not_drift_where_naive_float32_does():
     d, per_batch, batches = 4, 200_000, 100
     v = rng.normal(size=d)
     v /= np.linalg.norm(v)
-    acc = TokenSums(n_layers=1, rows=3, d=d, device="cpu")
+    acc = TokenSums(n_layers=1, vocab=3, d=d, device="cpu")
     ids = torch.zeros(1, per_batch, dtype=torch.long)
     acc.set_batch(ids, torch.ones(1, per_batch, dtype=torch.bool))
     hidden = torch.tensor(v, dtype=torch.float32).expand(1, per_batch, d).contiguous() * 3.0
@@ -39,8 +39,9 @@ def test_accumulation_does_not_drift_where_naive_float32_does():
     n = per_batch * batches
     h0 = hidden[0, 0].double()
     exact = n * h0 / torch.linalg.vector_norm(h0)
-    ours = acc.sums[0, 0]
-    assert int(acc.counts[0, 0]) == n
+    counts, sums = acc.dense(0)
+    ours = sums[0]
+    assert int(counts[0]) == n
     assert torch.allclose(ours, exact, rtol=1e-9, atol=0)
     assert np.abs(naive - exact.numpy()).max() / exact.abs().max().item() > 1e-2  # visibly drifted
     inter = (float(ours @ ours) - n) / (n * n - n)
@@ -49,17 +50,19 @@ def test_accumulation_does_not_drift_where_naive_float32_does():
 
 @pytest.mark.parametrize("fold", [False, True])
 def test_nonfinite_and_zero_vectors_are_counted_and_excluded(fold):
-    acc = TokenSums(n_layers=2, rows=5, d=3, device="cpu", fold_partials=fold)
+    acc = TokenSums(n_layers=2, vocab=5, d=3, device="cpu", fold_partials=fold)
     ids = torch.tensor([[1, 1, 2, 3, 4]])
     acc.set_batch(ids, torch.tensor([[True, True, True, True, False]]))  # position 4: padding
     h = torch.tensor([[[1.0, 0, 0], [float("inf"), 0, 0], [0, float("nan"), 1], [0, 0, 0], [5, 5, 5]]])
     acc.add(1, h.half())
     assert acc.nonfinite.tolist() == [0, 2] and acc.zero.tolist() == [0, 1]
-    assert acc.counts[1].tolist() == [0, 1, 0, 0, 0]
-    assert acc.sums[1, 1].tolist() == [1.0, 0.0, 0.0] and torch.isfinite(acc.sums).all()
+    counts, sums = acc.dense(1)
+    assert counts.tolist() == [0, 1, 0, 0, 0]
+    assert sums[1].tolist() == [1.0, 0.0, 0.0] and torch.isfinite(sums).all()
     acc.add(0, torch.tensor([[[3.0, 4, 0], [0, 3, 4], [1, 1, 1], [2, 0, 0], [1, 1, 1]]]))
-    assert acc.counts[0].tolist() == [0, 2, 1, 1, 0]
-    assert torch.allclose(acc.sums[0, 1], torch.tensor([0.6, 1.4, 0.8], dtype=torch.float64))
+    counts, sums = acc.dense(0)
+    assert counts.tolist() == [0, 2, 1, 1, 0]
+    assert torch.allclose(sums[1], torch.tensor([0.6, 1.4, 0.8], dtype=torch.float64))
 
 
 def test_fp16_overflow_in_a_model_is_counted_per_layer(workdir, sources, model_factory):

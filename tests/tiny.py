@@ -30,8 +30,19 @@ def corpus(n_docs: int, seed: int, sentences: tuple[int, int] = (1, 4)) -> list[
     return docs
 
 
-def make_tokenizer(path: Path, kind: str = "bpe", texts: list[str] | None = None):
-    """A fast tokenizer saved in `path`: byte-level BPE (decoders) or WordPiece (BERT-style)."""
+# The special tokens each family's tokenizer adds around a text (its template).
+TEMPLATES = {
+    "bos": "<s> $A",  # Llama, Mistral, Gemma, Phi-3, Cohere, …
+    "cls_sep": "[CLS] $A [SEP]",  # BERT, DistilBERT, Electra, DeBERTa-v2, ModernBERT
+    "s_eos": "<s> $A </s>",  # RoBERTa, XLM-RoBERTa
+    "eos_bos": "</s> $A",  # OPT prepends </s>
+    "none": "$A",  # GPT-NeoX, GPT-2, Qwen, BLOOM, …
+}
+
+
+def make_tokenizer(path: Path, kind: str = "bpe", texts: list[str] | None = None, template: str | None = None):
+    """A fast tokenizer saved in `path`: byte-level BPE (decoders) or WordPiece (BERT-style),
+    adding the special tokens of `template` (a key of TEMPLATES) by default."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -40,62 +51,108 @@ def make_tokenizer(path: Path, kind: str = "bpe", texts: list[str] | None = None
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|pad|>"],
+        specials = ["<|endoftext|>", "<|pad|>", "<s>", "</s>"]
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(texts, trainer)
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                       bos_token="<|endoftext|>", pad_token="<|pad|>")
+        names = dict(eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|pad|>")
+        if template in ("bos", "s_eos"):
+            names.update(bos_token="<s>", eos_token="</s>")
+        if template == "eos_bos":
+            names.update(bos_token="</s>", eos_token="</s>")
     else:
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         tok.decoder = decoders.WordPiece()
         trainer = trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
         tok.train_from_iterator(texts, trainer)
-        cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+        template = template or "cls_sep"
+        names = dict(unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+    if template and template != "none":
+        single = TEMPLATES[template]
+        used = [t for t in single.split() if t != "$A"]
         tok.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B [SEP]", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
-                                       cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+            single=single, special_tokens=[(t, tok.token_to_id(t)) for t in dict.fromkeys(used)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **names)
     fast.save_pretrained(path)
     return fast
 
 
-def make_config(family: str, vocab: int, tied: bool, d: int = 32, layers: int = 2, context: int = 64):
-    from transformers import (BertConfig, FalconConfig, GPT2Config, GPTNeoXConfig, LlamaConfig,
-                              MistralConfig, OPTConfig, RobertaConfig)
+# family → (tokenizer kind, template, extra config).  Every family the tests verify.
+FAMILY_SPECS = {
+    "gpt_neox": ("bpe", "none", {}),
+    "gpt2": ("bpe", "none", {}),
+    "opt": ("bpe", "eos_bos", {}),
+    "llama": ("bpe", "bos", {}),
+    "mistral": ("bpe", "bos", {"num_key_value_heads": 2}),
+    "mixtral": ("bpe", "bos", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "falcon": ("bpe", "none", {}),
+    "bloom": ("bpe", "none", {}),
+    "gptj": ("bpe", "none", {"rotary_dim": 4}),
+    "gpt_bigcode": ("bpe", "none", {}),
+    "qwen2": ("bpe", "none", {"num_key_value_heads": 2}),
+    "qwen3": ("bpe", "none", {"num_key_value_heads": 2, "head_dim": 8}),
+    "gemma": ("bpe", "bos", {"head_dim": 8}),
+    "gemma2": ("bpe", "bos", {"head_dim": 8, "sliding_window": 16}),
+    "gemma3_text": ("bpe", "bos", {"head_dim": 8, "sliding_window": 16}),
+    "phi": ("bpe", "none", {}),
+    "phi3": ("bpe", "bos", {"pad_token_id": 1}),
+    "olmo": ("bpe", "none", {}),
+    "olmo2": ("bpe", "none", {}),
+    "stablelm": ("bpe", "none", {}),
+    "starcoder2": ("bpe", "none", {}),
+    "cohere": ("bpe", "bos", {}),
+    "bert": ("wordpiece", "cls_sep", {}),
+    "roberta": ("bpe", "s_eos", {"pad_token_id": 1}),
+    "xlm-roberta": ("bpe", "s_eos", {"pad_token_id": 1}),
+    "distilbert": ("wordpiece", "cls_sep", {}),
+    "electra": ("wordpiece", "cls_sep", {"embedding_size": 16}),
+    "deberta-v2": ("wordpiece", "cls_sep", {}),
+    "modernbert": ("wordpiece", "cls_sep", {"global_attn_every_n_layers": 1, "pad_token_id": 0,
+                                            "cls_token_id": 2, "sep_token_id": 3}),
+}
+ENCODERS = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "deberta-v2", "modernbert"}
+
+
+def make_config(family: str, vocab: int, tied: bool, d: int = 32, layers: int = 2, context: int = 64, **extra):
+    """A tiny config of any family through AutoConfig, with the generic names every config maps."""
+    from transformers import AutoConfig
 
     h, ff = 4, 2 * d
-    common = dict(vocab_size=vocab, tie_word_embeddings=tied)
-    return {
-        "gpt_neox": lambda: GPTNeoXConfig(hidden_size=d, num_hidden_layers=layers, num_attention_heads=h,
-                                          intermediate_size=ff, max_position_embeddings=context, **common),
-        "gpt2": lambda: GPT2Config(n_embd=d, n_layer=layers, n_head=h, n_positions=context, **common),
-        "opt": lambda: OPTConfig(hidden_size=d, num_hidden_layers=layers, num_attention_heads=h, ffn_dim=ff,
-                                 max_position_embeddings=context, word_embed_proj_dim=d, **common),
-        "llama": lambda: LlamaConfig(hidden_size=d, num_hidden_layers=layers, num_attention_heads=h,
-                                     intermediate_size=ff, max_position_embeddings=context, **common),
-        "mistral": lambda: MistralConfig(hidden_size=d, num_hidden_layers=layers, num_attention_heads=h,
-                                         num_key_value_heads=2, intermediate_size=ff,
-                                         max_position_embeddings=context, **common),
-        "falcon": lambda: FalconConfig(hidden_size=d, num_hidden_layers=layers, num_attention_heads=h,
-                                       max_position_embeddings=context, **common),
-        "bert": lambda: BertConfig(hidden_size=d, num_hidden_layers=layers, num_attention_heads=h,
-                                   intermediate_size=ff, max_position_embeddings=context, **common),
-        "roberta": lambda: RobertaConfig(hidden_size=d, num_hidden_layers=layers, num_attention_heads=h,
-                                         intermediate_size=ff, max_position_embeddings=context + 2,
-                                         pad_token_id=0, **common),
-    }[family]()
+    spec = dict(FAMILY_SPECS.get(family, ("bpe", "none", {}))[2])
+    common = dict(vocab_size=vocab, tie_word_embeddings=tied, hidden_size=d, num_hidden_layers=layers,
+                  num_attention_heads=h, num_key_value_heads=2, intermediate_size=ff,
+                  max_position_embeddings=context)
+    if family == "gpt2":
+        common.update(n_embd=d, n_layer=layers, n_head=h, n_positions=context)
+    if family == "opt":
+        common.update(ffn_dim=ff, word_embed_proj_dim=d)
+    if family == "gptj":
+        common.update(n_embd=d, n_layer=layers, n_head=h, n_positions=context)
+    if family == "gpt_bigcode":
+        common.update(n_embd=d, n_layer=layers, n_head=h, n_positions=context)
+    if family == "bloom":
+        common.update(n_layer=layers, n_head=h)
+    if family == "distilbert":
+        common.update(dim=d, n_layers=layers, n_heads=h, hidden_dim=ff)
+    if family in ("roberta", "xlm-roberta"):
+        common.update(max_position_embeddings=context + 2)
+    if family == "falcon":
+        common.pop("intermediate_size")
+    common.update(spec)
+    common.update(extra)
+    return AutoConfig.for_model(family, **common)
 
 
 def make_model(path: Path, family: str, tied: bool, seed: int = 0, **kw) -> Path:
-    """A random model of `family` with its tokenizer, saved to `path` (safetensors)."""
+    """A random model of `family` with its family's tokenizer conventions, saved to `path` (safetensors)."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
-    kind = "wordpiece" if family in ("bert", "roberta") else "bpe"
-    tok = make_tokenizer(path, kind)
+    kind, template, _ = FAMILY_SPECS[family]
+    tok = make_tokenizer(path, kind, template=template)
     config = make_config(family, len(tok), tied, **kw)
     torch.manual_seed(seed)
-    auto = AutoModelForMaskedLM if family in ("bert", "roberta") else AutoModelForCausalLM
+    auto = AutoModelForMaskedLM if family in ENCODERS else AutoModelForCausalLM
     model = auto.from_config(config)
     with torch.no_grad():  # give norms non-trivial gains and biases, as trained models have
         for name, p in model.named_parameters():

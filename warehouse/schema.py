@@ -197,6 +197,7 @@ RUNS = pa.schema(
         pa.field("source_fingerprint", pa.string()),
         pa.field("settings", pa.string()),  # JSON
         pa.field("provenance", pa.string()),  # JSON
+        pa.field("stats", pa.string()),  # JSON: every counter of the run (spills, accumulator peak bytes, …)
     ]
 )
 

@@ -219,6 +219,7 @@ def write_runs_table(root: Path, manifest: dict) -> None:
                 "source_fingerprint": prov.get("source_fingerprint"),
                 "settings": json.dumps(e.get("settings", {}), sort_keys=True),
                 "provenance": json.dumps(prov, sort_keys=True),
+                "stats": json.dumps(stats, sort_keys=True),
             }
         )
     table = pa.Table.from_pylist(rows, schema=schema.RUNS)
