@@ -123,14 +123,10 @@ def make_config(family: str, vocab: int, tied: bool, d: int = 32, layers: int = 
     common = dict(vocab_size=vocab, tie_word_embeddings=tied, hidden_size=d, num_hidden_layers=layers,
                   num_attention_heads=h, num_key_value_heads=2, intermediate_size=ff,
                   max_position_embeddings=context)
-    if family == "gpt2":
+    if family in ("gpt2", "gptj", "gpt_bigcode"):  # GPT-2-style names
         common.update(n_embd=d, n_layer=layers, n_head=h, n_positions=context)
     if family == "opt":
         common.update(ffn_dim=ff, word_embed_proj_dim=d)
-    if family == "gptj":
-        common.update(n_embd=d, n_layer=layers, n_head=h, n_positions=context)
-    if family == "gpt_bigcode":
-        common.update(n_embd=d, n_layer=layers, n_head=h, n_positions=context)
     if family == "bloom":
         common.update(n_layer=layers, n_head=h)
     if family == "distilbert":
