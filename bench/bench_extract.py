@@ -200,8 +200,12 @@ def main() -> None:
                 assert a.keys() == b.keys() and all(a[t][0] == b[t][0] for t in a)
                 for t in a:
                     worst = max(worst, float(np.abs(a[t][1] - b[t][1]).max() / max(1.0, np.abs(b[t][1]).max())))
+            for name in ("sum_h", "sum_u2", "window_cos"):
+                x, y = getattr(acc, name).double().cpu(), getattr(other, name).double().cpu()
+                worst = max(worst, float(((x - y).abs().max() / y.abs().max().clamp_min(1.0))))
+            assert torch.equal(acc.windows.cpu(), other.windows.cpu())
             print(f"check: fused {acc._fused is not None} vs {other._fused is not None}: same token types and counts, "
-                  f"max relative |Δ Σû| = {worst:.2e}")
+                  f"max relative |Δ| of Σû, Σh, Σû², window cosines = {worst:.2e}")
         if args.write and loaded is not None:
             from extract.run import Settings, write_sums
             from extract.sources import Source

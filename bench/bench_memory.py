@@ -17,6 +17,7 @@ process, reporting its peak RSS (ru_maxrss):
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -48,6 +49,7 @@ def build(directory: Path, layers: int, d: int = 256) -> Path:
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", VOCAB - 1)])
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
                             bos_token="<s>").save_pretrained(directory)
+    os.sync()  # written pages must reach the disk before the kernel can drop them from RSS (MADV_PAGEOUT)
     return directory
 
 

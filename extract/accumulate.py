@@ -72,6 +72,11 @@ class TokenSums:
         self.counts = [torch.zeros(0, dtype=torch.int64, device=self.master) for _ in range(n_layers)]
         self.nonfinite = torch.zeros(n_layers, dtype=torch.int64, device=self.device)
         self.zero = torch.zeros(n_layers, dtype=torch.int64, device=self.device)
+        # Per layer, over every counted vector (float64, on the device: no sync):
+        self.sum_h = torch.zeros(n_layers, d, dtype=torch.float64, device=self.device)  # Σh (raw)
+        self.sum_u2 = torch.zeros(n_layers, d, dtype=torch.float64, device=self.device)  # Σ û_i² per dim
+        self.windows = torch.zeros(n_layers, dtype=torch.int64, device=self.device)  # windows with ≥ 2 vectors
+        self.window_cos = torch.zeros(n_layers, dtype=torch.float64, device=self.device)  # Σ_w mean cos(h, m_w)
         self.peak_bytes = 0  # the most the slot tables held at once (growth included)
         self.spills: list[Path] = []
         self._spill_root = spill_dir
@@ -176,6 +181,9 @@ class TokenSums:
         ids = input_ids.reshape(-1).numpy()[sel_np].astype(np.int64)  # (M,)
         slots = self._assign(ids)
         sel = torch.from_numpy(sel_np).to(self.device, non_blocking=True)
+        self._windows = (torch.from_numpy(sel_np // input_ids.shape[1]).to(self.device, non_blocking=True),
+                         input_ids.shape[0])  # each counted row's window (M,), number of windows B
+        self._counted = counted.to(self.device, non_blocking=True) if self._fused is not None else None
         if not self.fold_partials:
             self._batch = (sel, torch.from_numpy(slots).to(self.device, non_blocking=True), None)
         else:  # fold a per-batch partial over the batch's distinct tokens into the remote master
@@ -189,12 +197,12 @@ class TokenSums:
         """hidden: (B, T, d) in any float dtype."""
         sel, index, uniq = self._batch
         d = hidden.shape[-1]
-        h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d) compute dtype
+        win, n_win = self._windows
         if self._fused is not None and self.moments is None and self.sample is None and uniq is None:
-            nonfinite, zero = self._fused(self.sums[layer], self.counts[layer], index, h)
-            self.nonfinite[layer] += nonfinite
-            self.zero[layer] += zero
+            stats = self._fused(self.sums[layer], self.counts[layer], index, hidden, sel, self._counted)
+            self._layer_stats(layer, *stats)
             return
+        h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d) compute dtype
         if self.sample is not None:
             self.sample.add(layer, h)
         norm = torch.linalg.vector_norm(h, dim=1, dtype=torch.float64)  # (M,) float64
@@ -212,6 +220,9 @@ class TokenSums:
         if self.moments is not None:
             self.moments.add(layer, h, ok)
         x = h * inv.unsqueeze(1)  # (M, d) float64 û (type promotion: exact upcast, float64 product)
+        self._layer_stats(layer, torch.zeros((), dtype=torch.int64, device=x.device),
+                          torch.zeros((), dtype=torch.int64, device=x.device),
+                          *window_sums(norm if all_ok else torch.where(ok, norm, 0.0), x, counts, win, n_win))
         if uniq is None:
             self.sums[layer].index_add_(0, index, x)
             self.counts[layer].index_add_(0, index, counts)
@@ -221,6 +232,18 @@ class TokenSums:
             count = torch.zeros(len(uniq), dtype=torch.int64, device=x.device).index_add_(0, index, counts)
             self.sums[layer].index_add_(0, uniq, partial.to(self.master))
             self.counts[layer].index_add_(0, uniq, count.to(self.master))
+
+    def _layer_stats(self, layer, nonfinite, zero, m, u, n_w, u2) -> None:
+        """Fold one batch's per-window sums m = Σh (B, d), u = Σû (B, d), n_w (B,) and Σû² (d,)."""
+        self.nonfinite[layer] += nonfinite
+        self.zero[layer] += zero
+        self.sum_h[layer] += m.sum(0)
+        self.sum_u2[layer] += u2
+        norm = torch.linalg.vector_norm(m, dim=1)  # (B,)
+        valid = (n_w >= 2) & (norm > 0)
+        # mean over the window's vectors of cos(h_i, m_w) = ⟨Σ_i û_i, m_w⟩ / (‖m_w‖ n_w)
+        self.window_cos[layer] += torch.where(valid, (u * m).sum(1) / (norm * n_w).clamp_min(1e-300), 0.0).sum()
+        self.windows[layer] += valid.sum()
 
     # ------------------------------------------------------------ reading the sums
 
@@ -282,21 +305,42 @@ class TokenSums:
         return sum(len(ids) for ids, _, _ in self.layer_rows(0))
 
 
-def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, h: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer of one batch, written for `torch.compile`: sums (U, d) float64 += û of the rows of
-    h (M, d) at `index` (M,), counts += 1 per finite non-zero row.  Returns the number of rows
-    with NaN/inf and with zero norm (device tensors: no sync).  Compiled, the norm is one
-    reduction and the upcast, scaling, masking and scatter-add one kernel with float64 atomics,
-    so the (M, d) float64 û is never materialised; eager, it is the same arithmetic."""
-    norm = torch.linalg.vector_norm(h, dim=1, dtype=torch.float64)  # (M,)
+def window_sums(norm: torch.Tensor, x: torch.Tensor, ok: torch.Tensor, win: torch.Tensor, n_win: int):
+    """Per window (B of them): Σh (B, d), Σû (B, d) and the count of vectors (B,); and Σ û_i² (d,).
+
+    norm: (M,) float64 ‖h‖ (0 where excluded), x: (M, d) float64 û (excluded rows zero), ok: (M,)
+    0/1, win: (M,) each row's window.  One float64 GEMM of a (2B, M) selection matrix with x gives
+    both window sums (h = ‖h‖·û), instead of scatter-adds onto a handful of rows."""
+    M, d = x.shape
+    E = torch.zeros(2 * n_win, M, dtype=torch.float64, device=x.device)  # rows: Σû, then Σh
+    cols = torch.arange(M, device=x.device)
+    E[win, cols] = ok.to(torch.float64)
+    E[win + n_win, cols] = norm
+    mu = E @ x  # (2B, d)
+    n_w = torch.zeros(n_win, dtype=torch.int64, device=x.device).index_add_(0, win, ok.long())
+    return mu[n_win:], mu[:n_win], n_w, torch.linalg.vector_norm(x, dim=0).square()
+
+
+def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hidden: torch.Tensor,
+               sel: torch.Tensor, counted: torch.Tensor):
+    """One layer of one batch, written for `torch.compile` (the GPU path): sums (U, d) float64 +=
+    û of the counted positions of hidden (B, T, d) (flat positions `sel` (M,), slots `index`
+    (M,)), counts += 1 per finite non-zero vector; plus the sums of `window_sums`, here as plain
+    reductions over T (no atomics on B rows).  Returns (vectors with NaN/inf, with zero norm,
+    Σh per window (B, d), Σû per window (B, d), vectors per window (B,), Σû² (d,)) as device
+    tensors: no sync.  Compiled, the upcast, scaling and masking fuse into the reductions and the
+    scatter-add, so no (B, T, d) float64 tensor is materialised; eager, it is the same arithmetic."""
+    d = hidden.shape[-1]
+    norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float64)  # (B, T)
     finite = norm.isfinite()
-    ok = finite & (norm > 0)
-    inv = torch.where(ok, norm.reciprocal(), 0.0)  # (M,)
-    x = torch.where(ok.unsqueeze(1), h.to(torch.float64) * inv.unsqueeze(1), 0.0)  # (M, d)
-    sums.index_add_(0, index, x)
-    counts.index_add_(0, index, ok.long())
-    return (~finite).sum(), (finite & ~ok).sum()
+    ok = counted & finite & (norm > 0)  # (B, T)
+    inv = torch.where(ok, norm.reciprocal(), 0.0)  # (B, T)
+    hm = torch.where(ok.unsqueeze(-1), hidden.to(torch.float64), 0.0)  # (B, T, d)
+    x = hm * inv.unsqueeze(-1)  # (B, T, d) û, zero where not counted
+    sums.index_add_(0, index, x.reshape(-1, d).index_select(0, sel))
+    counts.index_add_(0, index, ok.reshape(-1).index_select(0, sel).long())
+    return ((counted & ~finite).sum(), (counted & finite & (norm == 0)).sum(),
+            hm.sum(1), x.sum(1), ok.sum(1), (x * x).sum((0, 1)))
 
 
 class Moments:

@@ -293,9 +293,11 @@ def write_sums(root: Path, loaded: Loaded, source: Source, settings: Settings, a
     writers = [store.TableWriter(root, "token_sums", values, run_id, tok_schema),
                store.TableWriter(root, "layer_sums", values, run_id)]
     try:
-        layer_rows = {k: [] for k in ("layer", "layer_kind", "n_layers", "n", "sum_sq",
-                                      "n_nonfinite", "n_zero", "vec")}
+        layer_rows = {k: [] for k in ("layer", "layer_kind", "n_layers", "n", "sum_sq", "n_nonfinite",
+                                      "n_zero", "vec", "sum_h", "sum_u2", "windows", "window_cos")}
         nonfinite, zero = acc.nonfinite.cpu(), acc.zero.cpu()
+        sum_h, sum_u2 = acc.sum_h.cpu().numpy(), acc.sum_u2.cpu().numpy()
+        windows, window_cos = acc.windows.cpu().numpy(), acc.window_cos.cpu().numpy()
         for layer, kind in enumerate(kinds):
             total = np.zeros(loaded.d, dtype=np.float64)  # (d,)
             n_total = 0
@@ -318,6 +320,10 @@ def write_sums(root: Path, loaded: Loaded, source: Source, settings: Settings, a
             layer_rows["n_nonfinite"].append(int(nonfinite[layer]))
             layer_rows["n_zero"].append(int(zero[layer]))
             layer_rows["vec"].append(total.tolist())
+            layer_rows["sum_h"].append(sum_h[layer].tolist())
+            layer_rows["sum_u2"].append(sum_u2[layer].tolist())
+            layer_rows["windows"].append(int(windows[layer]))
+            layer_rows["window_cos"].append(float(window_cos[layer]))
         writers[1].write({**{k: [v] * len(kinds) for k, v in key.items()}, **layer_rows})
         files = {"token_sums": writers[0].close(), "layer_sums": writers[1].close()}
         if acc.moments is not None:

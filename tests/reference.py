@@ -40,10 +40,12 @@ def _specials(tok) -> tuple[list[int], list[int]]:
     return ids[:first], ids[last:]
 
 
-def hidden_states(model_dir: str, texts: list[str], max_length: int, max_tokens: int | None = None):
+def hidden_states(model_dir: str, texts: list[str], max_length: int, max_tokens: int | None = None,
+                  windows: list | None = None):
     """{layer: (list of token ids, (n, d) float64 array)} over every counted position.
 
-    Windows of `max_length` tokens, the tokenizer's special tokens included (and not counted)."""
+    Windows of `max_length` tokens, the tokenizer's special tokens included (and not counted);
+    `windows`, when given, receives each counted position's window number."""
     loaded = load(resolve_model(model_dir), "main", torch.float32, "cpu")
     lay, model, tok = loaded.layout, loaded.model.float(), loaded.tokenizer
     base = get_module(model, lay.base)
@@ -66,6 +68,8 @@ def hidden_states(model_dir: str, texts: list[str], max_length: int, max_tokens:
                 last = bare_base(input_ids=x, output_hidden_states=True).hidden_states[-1]
                 layers = layers[:-1] + [last, layers[-1]]
             keep = slice(len(prefix), len(prefix) + len(ids))
+            if windows is not None:
+                windows.extend([_next_window(windows)] * len(ids))
             for layer, h in enumerate(layers):
                 out[layer][0].extend(seq[keep])
                 out[layer][1].append(h[0, keep].double().numpy())
@@ -94,6 +98,10 @@ def own_hidden_states(model_dir: str, texts: list[str], special: bool = False):
                 out[i][0].extend(ids[0, keep].tolist())
                 out[i][1].append(h[0, keep].double().numpy())
     return {k: (np.array(v[0]), np.concatenate(v[1])) for k, v in out.items()}
+
+
+def _next_window(windows: list) -> int:
+    return (windows[-1] + 1) if windows else 0
 
 
 def mean_pairwise_cosine(X: np.ndarray) -> float:
@@ -163,3 +171,39 @@ def source_texts(path) -> list[str]:
         data = zstandard.ZstdDecompressor().decompressobj().decompress(open(path, "rb").read()).decode()
         return [json.loads(line)["text"] for line in data.splitlines() if line.strip()]
     return [line.strip() for line in open(path, encoding="utf-8") if line.strip()]
+
+
+def unit(X: np.ndarray) -> np.ndarray:
+    return X / np.linalg.norm(X, axis=1, keepdims=True)
+
+
+def dim_contrib(X: np.ndarray) -> np.ndarray:
+    """Timkey & van Schijndel: contrib_i = (1/(n²−n)) Σ_{a≠b} û_{a,i} û_{b,i}, pair by pair (O(n²))."""
+    U = unit(X)
+    n = len(U)
+    G = np.einsum("ai,bi->i", U, U)  # Σ_a Σ_b û_ai û_bi
+    return (G - (U * U).sum(0)) / (n * n - n)
+
+
+def drift(X: np.ndarray) -> tuple[float, float]:
+    mu = X.mean(0)
+    return float(np.linalg.norm(mu)), float((unit(X) @ (mu / np.linalg.norm(mu))).mean())
+
+
+def intra_sentence_sim(X: np.ndarray, windows: np.ndarray) -> float:
+    """Ethayarajh: per window, the mean cosine of its vectors to the window's mean vector; averaged
+    over windows with at least two vectors."""
+    out = []
+    for w in np.unique(windows):
+        rows = X[windows == w]
+        if len(rows) >= 2:
+            m = rows.mean(0)
+            out.append(float((unit(rows) @ (m / np.linalg.norm(m))).mean()))
+    return float(np.mean(out))
+
+
+def cka_procrustes(X: np.ndarray, Y: np.ndarray) -> tuple[float, float]:
+    Xc, Yc = X - X.mean(0), Y - Y.mean(0)
+    cka = np.linalg.norm(Xc.T @ Yc) ** 2 / (np.linalg.norm(Xc.T @ Xc) * np.linalg.norm(Yc.T @ Yc))
+    nuclear = np.linalg.svd(Xc.T @ Yc, compute_uv=False).sum()
+    return float(cka), float(nuclear / (np.linalg.norm(Xc) * np.linalg.norm(Yc)))

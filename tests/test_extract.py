@@ -206,3 +206,34 @@ def test_parse_shard():
     for bad in ("0/2", "3/2", "a/b", "1-2", ""):
         with pytest.raises(UserError, match="--shard"):
             parse_shard(bad)
+
+
+def test_compiled_gpu_step_equals_the_eager_path():
+    """The GPU path (`layer_step` under torch.compile, over whole (B, T, d) batches) gives the
+    eager path's sums, counts, excluded-vector counts and per-window sums, padding and NaN/inf
+    and zero vectors included (compiled here for the CPU; on a GPU the same graph becomes Triton)."""
+    torch.manual_seed(0)
+    accs = [TokenSums(2, 20, 8, "cpu", fused=f) for f in (False, True)]
+    for step in range(2):
+        ids = torch.randint(0, 20, (3, 6))
+        counted = torch.ones(3, 6, dtype=torch.bool)
+        counted[2, 4:] = False  # padding
+        counted[1, 0] = False  # a special token
+        hidden = torch.randn(3, 6, 8).bfloat16()
+        hidden[0, 1, 2] = float("nan")
+        hidden[1, 3] = 0.0
+        hidden[2, 5] = float("inf")  # padding: never counted, never summed
+        for acc in accs:
+            acc.set_batch(ids, counted)
+            for layer in range(2):
+                acc.add(layer, hidden * (layer + 1))
+    eager, fused = accs
+    assert fused._fused is not None and eager._fused is None
+    for layer in range(2):
+        (ce, se), (cf, sf) = eager.dense(layer), fused.dense(layer)
+        assert torch.equal(ce, cf) and torch.allclose(se, sf, rtol=1e-13, atol=1e-13)
+    for name in ("nonfinite", "zero", "windows"):
+        assert torch.equal(getattr(eager, name), getattr(fused, name)), name
+    assert eager.nonfinite.tolist() == [2, 2] and eager.zero.tolist() == [2, 2]
+    for name in ("sum_h", "sum_u2", "window_cos"):
+        assert torch.allclose(getattr(eager, name), getattr(fused, name), rtol=1e-12, atol=1e-12), name

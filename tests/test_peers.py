@@ -39,12 +39,14 @@ def peers(workdir, sources, model_factory):
                                "--moments", "--sample", 100000)
         assert code == 0, err
     texts = {"alpha": ref.source_texts(sources["alpha"]), "beta": ref.source_texts(sources["beta"])}
+    windows = {k: [] for k in ("all", "alpha", "beta")}
     states = {
-        "all": ref.hidden_states(str(path), texts["alpha"] + texts["beta"], MAXLEN),
-        "alpha": ref.hidden_states(str(path), texts["alpha"], MAXLEN),
-        "beta": ref.hidden_states(str(path), texts["beta"], MAXLEN),
+        "all": ref.hidden_states(str(path), texts["alpha"] + texts["beta"], MAXLEN, windows=windows["all"]),
+        "alpha": ref.hidden_states(str(path), texts["alpha"], MAXLEN, windows=windows["alpha"]),
+        "beta": ref.hidden_states(str(path), texts["beta"], MAXLEN, windows=windows["beta"]),
     }
-    return {"wh": wh, "states": states, "con": connect(wh)}
+    return {"wh": wh, "states": states, "con": connect(wh),
+            "windows": {k: np.array(v) for k, v in windows.items()}}
 
 
 def view(peers, name, value):
@@ -212,3 +214,71 @@ def test_known_answer_exactly_linear_layer_pair():
     Z = rng.normal(size=(500, 8))  # unrelated: ~ d/n
     czz, cxz = covariance(n, Z.sum(0), Z.T @ Z), cross_covariance(n, X.sum(0), Z.sum(0), X.T @ Z)
     assert linearity_from_cov(cxx, czz, cxz) < 0.05
+
+
+# ---------------------------------------------------------------- measures no peer offers
+
+
+def test_dim_contrib_equals_pairwise_products_and_sums_to_inter_sim(peers):
+    rows = peers["con"].execute("SELECT source, layer, dim, contrib FROM dim_contrib").fetchall()
+    got = {(s, layer, dim): v for s, layer, dim, v in rows}
+    inter = view(peers, "inter_sim_by_source", "inter_sim") | {
+        ("all", layer): v for layer, v in peers["con"].execute("SELECT layer, inter_sim FROM inter_sim").fetchall()}
+    for source in SOURCES:
+        for layer, (_, X) in peers["states"][source].items():
+            want = ref.dim_contrib(X)
+            ours = np.array([got[(source, layer, i)] for i in range(len(want))])
+            assert np.abs(ours - want).max() < 1e-9, (source, layer)
+            assert ours.sum() == pytest.approx(inter[(source, layer)], abs=1e-9)
+            assert ours.sum() == pytest.approx(ref.mean_pairwise_cosine(X), abs=1e-9)
+
+
+def test_drift_equals_the_definition(peers):
+    rows = peers["con"].execute("SELECT source, layer, mean_norm, mean_cos_to_mean FROM drift").fetchall()
+    got = {(s, layer): (a, b) for s, layer, a, b in rows}
+    for source in SOURCES:
+        for layer, (_, X) in peers["states"][source].items():
+            norm, cos = ref.drift(X)  # ‖μ‖ cancels: the batched float32 forward's ~1e-7 shows
+            assert got[(source, layer)][0] == pytest.approx(norm, rel=1e-6)
+            assert got[(source, layer)][1] == pytest.approx(cos, rel=1e-6, abs=1e-9)
+
+
+def test_intra_sentence_sim_equals_the_definition(peers):
+    got = view(peers, "intra_sentence_sim", "intra_sentence_sim")
+    windows = dict(peers["con"].execute(
+        "SELECT source || ':' || layer, windows FROM intra_sentence_sim").fetchall())
+    for source in SOURCES:
+        w = peers["windows"][source]
+        for layer, (_, X) in peers["states"][source].items():
+            assert got[(source, layer)] == pytest.approx(ref.intra_sentence_sim(X, w), rel=1e-7)  # float32 forward
+            assert windows[f"{source}:{layer}"] == sum(1 for k in np.unique(w) if (w == k).sum() >= 2)
+
+
+def test_inter_sim_by_frequency_equals_pairwise_cosines_per_bucket(peers):
+    rows = peers["con"].execute("SELECT layer, bucket, types, n, inter_sim FROM inter_sim_by_frequency").fetchall()
+    got = {(layer, b): (t, n, v) for layer, b, t, n, v in rows}
+    for layer, (ids, X) in peers["states"]["all"].items():
+        uniq, counts = np.unique(ids, return_counts=True)
+        bucket_of = dict(zip(uniq, np.floor(np.log2(counts)).astype(int)))
+        buckets = np.array([bucket_of[t] for t in ids])
+        for b in np.unique(buckets):
+            sel = buckets == b
+            if sel.sum() < 2:
+                continue
+            types, n, value = got[(layer, int(b))]
+            assert (types, n) == (len(np.unique(ids[sel])), int(sel.sum()))
+            # float32 token vectors (the default): 1e-6
+            assert value == pytest.approx(ref.mean_pairwise_cosine(X[sel]), abs=1e-6), (layer, b)
+    assert {b for _, b in got} >= {0, 1, 2}
+
+
+def test_cka_and_orthogonal_procrustes_equal_svd(peers):
+    rows = peers["con"].execute("SELECT source, layer, cka, procrustes_orthogonal FROM linearity").fetchall()
+    got = {(s, layer): (c, p) for s, layer, c, p in rows}
+    for source in SOURCES:
+        states = peers["states"][source]
+        for layer in range(len(states) - 1):
+            cka, proc = ref.cka_procrustes(states[layer][1], states[layer + 1][1])
+            assert got[(source, layer)][0] == pytest.approx(cka, rel=1e-9)
+            assert got[(source, layer)][1] == pytest.approx(proc, rel=1e-9)
+            assert 0 < proc <= 1 and 0 < cka <= 1

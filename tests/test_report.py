@@ -35,6 +35,12 @@ CHART_VIEWS = {
     "fig14_intrinsic_dim_by_layer": ("intrinsic_dim", ["model", "checkpoint", "source", "layer"], []),
     "fig15_intrinsic_dim_training": ("intrinsic_dim", ["model", "checkpoint", "source", "layer"], ["twonn", "twonn_skdim"]),
     "fig16_linearity_by_layer": ("linearity", ["model", "checkpoint", "source", "layer"], []),
+    "fig17_dim_contrib_top": ("dim_contrib", ["model", "checkpoint", "source", "layer", "dim"], ["contrib"]),
+    "fig18_drift_by_layer": ("drift", ["model", "checkpoint", "source", "layer"], ["mean_norm", "mean_cos_to_mean"]),
+    "fig19_drift_training": ("drift", ["model", "checkpoint", "source", "layer"], ["mean_cos_to_mean"]),
+    "fig20_inter_sim_by_frequency": ("inter_sim_by_frequency", ["model", "checkpoint", "layer", "bucket"],
+                                     ["types", "n", "inter_sim"]),
+    "fig21_cka_procrustes_by_layer": ("linearity", ["model", "checkpoint", "source", "layer"], []),
 }
 
 

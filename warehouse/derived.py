@@ -6,7 +6,8 @@ moments of all partials are summed, then per layer:
 * covariance C = (Σhhᵀ − (Σh)(Σh)ᵀ/n) / (n − 1) → its eigenvalues (`spectrum`) and diagonal
   (`dim_variance`); anisotropy, effective rank, IsoScore and outlier dimensions are SQL over them;
 * linearity to the next layer (Razzhigaev et al. 2024, `procrustes_similarity`):
-  tr(C_yx C_xx⁺ C_xy) / tr(C_yy), and the centred variant between X and Y − X;
+  tr(C_yx C_xx⁺ C_xy) / tr(C_yy), and the centred variant between X and Y − X; linear CKA and
+  the orthogonal Procrustes similarity to the next layer from the same covariances;
 * TwoNN intrinsic dimension on the merged bottom-k sample, as llm-microscope computes it and as
   scikit-dimension's `TwoNN` does;
 * for the frequency-debiased Inter-Sim: the number of token types T and ‖Σ_t s_t/‖s_t‖‖².
@@ -44,6 +45,18 @@ def linearity_from_cov(cxx: np.ndarray, cyy: np.ndarray, cxy: np.ndarray) -> flo
     tr(C_yx C_xx⁺ C_xy) / tr(C_yy) (solved by least squares, no explicit inverse)."""
     a = np.linalg.lstsq(cxx, cxy, rcond=None)[0]  # C_xx⁺ C_xy
     return float(np.trace(cxy.T @ a) / np.trace(cyy))
+
+
+def similarities_from_cov(cxx: np.ndarray, cyy: np.ndarray, cxy: np.ndarray) -> tuple[float, float]:
+    """(linear CKA, orthogonal Procrustes similarity) of centred X, Y from their covariances.
+
+    With X, Y centred, XᵀY = (n−1)·C_xy, so CKA = ‖XᵀY‖²_F / (‖XᵀX‖_F ‖YᵀY‖_F) = ‖C_xy‖²_F /
+    (‖C_xx‖_F ‖C_yy‖_F) (Kornblith et al. 2019), and the orthogonal Procrustes similarity
+    max_R ⟨XR, Y⟩ / (‖X‖_F ‖Y‖_F) over orthogonal R = ‖XᵀY‖_* / (‖X‖_F ‖Y‖_F) =
+    ‖C_xy‖_* / √(tr C_xx · tr C_yy) (nuclear norm: the sum of singular values)."""
+    cka = float(np.sum(cxy * cxy) / (np.linalg.norm(cxx) * np.linalg.norm(cyy)))
+    nuclear = float(np.linalg.svd(cxy, compute_uv=False).sum())
+    return cka, nuclear / float(np.sqrt(np.trace(cxx) * np.trace(cyy)))
 
 
 def _nn_distances(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -170,7 +183,8 @@ def compute(root: Path, entries: list[dict], sample_k: int | None) -> dict[str, 
             cxy = cross_covariance(m["n"], m["s1"], nxt["s1"], m["cross"].reshape(d, d))
             c_dd = cyy - cxy - cxy.T + cxx  # Y − X
             c_xd = cxy - cxx
-            linearity[layer] = (linearity_from_cov(cxx, cyy, cxy), linearity_from_cov(cxx, c_dd, c_xd))
+            linearity[layer] = (linearity_from_cov(cxx, cyy, cxy), linearity_from_cov(cxx, c_dd, c_xd),
+                                *similarities_from_cov(cxx, cyy, cxy))
         # ---- the bottom-k sample: intrinsic dimension
         sfiles = [e["files"]["samples"] for e in group if "samples" in e["files"]]
         twonn = {}
@@ -213,9 +227,11 @@ def compute(root: Path, entries: list[dict], sample_k: int | None) -> dict[str, 
             key("layer_metrics", source, layer)
             lm = out["layer_metrics"]
             lm["n"].append(int(merged[layer]["n"]) if layer in merged else 0)
-            lin = linearity.get(layer, (None, None))
+            lin = linearity.get(layer, (None, None, None, None))
             lm["linearity"].append(lin[0])
             lm["linearity_centered"].append(lin[1])
+            lm["cka"].append(lin[2])
+            lm["procrustes_orthogonal"].append(lin[3])
             tw = twonn.get(layer, (None, None, None))
             lm["sample_size"].append(tw[0])
             lm["twonn"].append(tw[1])

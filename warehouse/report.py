@@ -113,8 +113,11 @@ def _tooltip(*fields: str) -> list:
     return [alt.Tooltip(f) for f in fields]
 
 
-def _x_axis(x: str) -> alt.Axis:
-    if x == "layer":
+def _x_axis(x: str, df: pl.DataFrame | None = None) -> alt.Axis:
+    if x in ("layer", "bucket"):  # integer ticks only: one per value when they are few
+        values = sorted(df[x].unique().to_list()) if df is not None and x in df.columns else None
+        if values and len(values) <= 30:
+            return alt.Axis(values=values, format="d")
         return alt.Axis(tickMinStep=1, format="d")
     if x == "step":
         return alt.Axis(tickCount=6, labelOverlap="greedy")
@@ -125,7 +128,7 @@ def _line(df: pl.DataFrame, x: str, x_title: str, y: str, y_title: str, tooltip:
           color_title: str = "Model", dash: str | None = None, dash_title: str | None = None,
           dash_order: list[str] | None = None):
     enc = dict(
-        x=alt.X(f"{x}:Q", title=x_title, axis=_x_axis(x)),
+        x=alt.X(f"{x}:Q", title=x_title, axis=_x_axis(x, df)),
         y=alt.Y(f"{y}:Q", title=y_title, scale=alt.Scale(zero=False)),
         color=_color(color, color_title),
         tooltip=_tooltip(*tooltip),
@@ -312,7 +315,7 @@ def fig_by_source(d: Data) -> Figure:
         f.missing = "no token data in the warehouse"
         return f
     f.chart = alt.Chart(df).mark_line(point=True).encode(
-        x=alt.X("layer:Q", title="Layer index (0 = embedding)", axis=_x_axis("layer")),
+        x=alt.X("layer:Q", title="Layer index (0 = embedding)", axis=_x_axis("layer", df)),
         y=alt.Y("inter_sim:Q", title="Inter-Sim (mean cosine)", scale=alt.Scale(zero=False)),
         color=_color("source", "Source"),
         tooltip=_tooltip("model", "checkpoint", "source", "layer", "n", "inter_sim"),
@@ -354,7 +357,7 @@ def _peer_by_layer(d: Data, fid: str, title: str, caption: str, view: str, value
     f = Figure(fid, title, caption)
     df = d.final(view, "source = 'all'", order="model, layer")
     if df.is_empty():
-        f.missing = f"no data for {view} (extract with {PEER_FLAGS[view]})"
+        f.missing = f"no data for {view}" + (f" (extract with {PEER_FLAGS[view]})" if view in PEER_FLAGS else "")
         return f
     if dash_values:  # two measures of one quantity, solid and dashed, in one column `value`
         df = df.unpivot(index=["model", "checkpoint", "step", "source", "layer"], on=dash_values,
@@ -425,12 +428,77 @@ def fig_linearity_layers(d: Data) -> Figure:
         "linearity", "score", "Linearity score", [], ["linearity", "linearity_centered"])
 
 
+def fig_dim_contrib(d: Data) -> Figure:
+    """The three dimensions that contribute most to each layer's Inter-Sim."""
+    f = Figure("fig17_dim_contrib_top", "Top dimensions of Inter-Sim per layer (Timkey & van Schijndel)",
+               "Each layer's three dimensions with the largest contribution ((Σû)_i² − Σû_i²)/(n² − n) to its "
+               "Inter-Sim (the contributions of all dimensions sum to Inter-Sim); final checkpoint, all sources. "
+               "One or two rogue dimensions carrying most of it is the pattern the paper reports.")
+    df = d.final("dim_contrib", "source = 'all'", order="model, layer, contrib DESC")
+    if df.is_empty():
+        f.missing = "no data for dim_contrib"
+        return f
+    df = (df.with_columns(pl.col("contrib").rank("ordinal", descending=True).over(["model", "layer"])
+                          .cast(pl.Int64).alias("rank"))
+            .filter(pl.col("rank") <= 3).sort(["model", "layer", "rank"]))
+    df = df.with_columns(pl.format("top {}", pl.col("rank")).alias("top"))
+    f.chart = alt.Chart(df).mark_point(filled=True, size=80).encode(
+        x=alt.X("layer:Q", title="Layer index (0 = embedding)", axis=_x_axis("layer", df)),
+        y=alt.Y("contrib:Q", title="Contribution to Inter-Sim"),
+        color=_color(), shape=alt.Shape("top:N", title="Rank"),
+        tooltip=_tooltip("model", "checkpoint", "layer", "rank", "dim", "contrib"),
+    ).properties(width=WIDTH, height=HEIGHT)
+    f.data = df
+    return f
+
+
+def fig_drift_layers(d: Data) -> Figure:
+    return _peer_by_layer(
+        d, "fig18_drift_by_layer", "Common drift per layer (Biś et al.)",
+        "Mean cosine of each vector to the layer's mean vector μ (solid); all sources, final checkpoint. "
+        "‖μ‖ is in the view `drift` (mean_norm).",
+        "drift", "mean_cos_to_mean", "Mean cosine to the mean vector",
+        ["model", "checkpoint", "layer", "n", "mean_norm", "mean_cos_to_mean"])
+
+
+def fig_drift_training(d: Data) -> Figure:
+    return _training_line(
+        d, "fig19_drift_training", "Common drift of the last layer during training",
+        "Mean cosine of the last layer's vectors to their mean vector at each checkpoint.", "drift",
+        "mean_cos_to_mean", "Mean cosine to the mean vector",
+        ["model", "checkpoint", "step", "layer", "mean_norm", "mean_cos_to_mean"], "source = 'all'")
+
+
+def fig_inter_sim_by_frequency(d: Data) -> Figure:
+    f = Figure("fig20_inter_sim_by_frequency", "Inter-Sim by token frequency (last layer)",
+               "Inter-Sim among the vectors of token types whose count n_t has ⌊log₂ n_t⌋ = bucket "
+               "(sources combined, final checkpoint, last layer): frequency distortion (Zhou et al.).")
+    df = d.final("inter_sim_by_frequency", order="model, layer, bucket")
+    if df.is_empty():
+        f.missing = "no data for inter_sim_by_frequency"
+        return f
+    df = _last_layer(df)
+    f.chart = _line(df, "bucket", "Frequency bucket: floor(log2 count)", "inter_sim", "Inter-Sim",
+                    ["model", "checkpoint", "layer", "bucket", "types", "n", "inter_sim"])
+    f.data = df
+    return f
+
+
+def fig_similarity_layers(d: Data) -> Figure:
+    return _peer_by_layer(
+        d, "fig21_cka_procrustes_by_layer", "Similarity of each layer to the next: CKA and Procrustes",
+        "Linear CKA (solid) and the orthogonal Procrustes similarity ‖XᵀY‖_*/(‖X‖_F‖Y‖_F) (dashed) of "
+        "layer l and l + 1, centred, over all tokens; final checkpoint, all sources.",
+        "linearity", "similarity", "Similarity to the next layer", [], ["cka", "procrustes_orthogonal"])
+
+
 FIGURES = [
     fig_inter_sim_layers, fig_avg_intra_layers, fig_inter_sim_training, fig_avg_intra_training,
     lambda d: fig_isotropy(d, "unembedding", 5), lambda d: fig_isotropy(d, "embedding", 6),
     fig_isotropy_training, fig_layernorm, fig_layernorm_training, fig_heatmap, fig_by_source, fig_tokens,
     fig_anisotropy_layers, fig_anisotropy_training, fig_intrinsic_dim_layers, fig_intrinsic_dim_training,
-    fig_linearity_layers,
+    fig_linearity_layers, fig_dim_contrib, fig_drift_layers, fig_drift_training, fig_inter_sim_by_frequency,
+    fig_similarity_layers,
 ]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: layer_sums gained sum_h, sum_u2, windows, window_cos; runs gained stats
 
 # Partition columns, in directory order, per table.
 DATA_PARTITIONS = ("model", "checkpoint", "source", "shard")
@@ -63,6 +63,10 @@ LAYER_SUMS = pa.schema(
         pa.field("n_nonfinite", pa.int64(), nullable=False),
         pa.field("n_zero", pa.int64(), nullable=False),
         pa.field("vec", pa.list_(pa.float64()), nullable=False),
+        pa.field("sum_h", pa.list_(pa.float64()), nullable=False),  # Σh of the raw vectors (d,)
+        pa.field("sum_u2", pa.list_(pa.float64()), nullable=False),  # Σ û_i² per dimension i (d,)
+        pa.field("windows", pa.int64(), nullable=False),  # windows fed with ≥ 2 counted vectors
+        pa.field("window_cos", pa.float64(), nullable=False),  # Σ over them of mean_i cos(h_i, mean of the window)
     ]
 )
 
@@ -153,6 +157,8 @@ LAYER_METRICS = pa.schema(_KEY_DERIVED + [
     pa.field("n", pa.int64(), nullable=False),
     pa.field("linearity", pa.float64()),  # to layer + 1
     pa.field("linearity_centered", pa.float64()),
+    pa.field("cka", pa.float64()),  # linear CKA to layer + 1 (centred)
+    pa.field("procrustes_orthogonal", pa.float64()),  # orthogonal Procrustes similarity to layer + 1 (centred)
     pa.field("sample_size", pa.int64()),
     pa.field("twonn", pa.float64()),
     pa.field("twonn_skdim", pa.float64()),
