@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -82,10 +83,11 @@ class TokenSums:
         self._spill_root = spill_dir
         self._spill_dir: Path | None = None
         self._batch = None
-        # On a GPU, one compiled kernel pair per layer (norm; scale + scatter-add) instead of ~8
-        # eager ones, and the float64 û never written to memory: see `layer_step`.
+        # On a GPU, a few compiled kernels per layer (norm; scale + scatter-add; per-window
+        # reductions) instead of ~15 eager ones, the float64 û never written to memory: `layer_step`.
         use = self.device.type == "cuda" and not self.fold_partials if fused is None else fused
         self._fused = torch.compile(layer_step, dynamic=True) if use else None
+        self._compiled_once = False
         self.moments: Moments | None = None  # optional consumers of the raw (unnormalised) vectors
         self.sample: Sample | None = None
 
@@ -199,9 +201,18 @@ class TokenSums:
         d = hidden.shape[-1]
         win, n_win = self._windows
         if self._fused is not None and self.moments is None and self.sample is None and uniq is None:
-            stats = self._fused(self.sums[layer], self.counts[layer], index, hidden, sel, self._counted)
-            self._layer_stats(layer, *stats)
-            return
+            try:
+                stats = self._fused(self.sums[layer], self.counts[layer], index, hidden, sel, self._counted)
+            except Exception as e:  # no Triton / compiler on this machine: the eager path, same sums
+                if self._compiled_once:
+                    raise
+                warnings.warn(f"torch.compile of the accumulation step failed ({type(e).__name__}); "
+                              f"using the eager path", RuntimeWarning, stacklevel=2)
+                self._fused = None
+            else:
+                self._compiled_once = True
+                self._layer_stats(layer, *stats)
+                return
         h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d) compute dtype
         if self.sample is not None:
             self.sample.add(layer, h)
@@ -300,25 +311,27 @@ class TokenSums:
             sums[ids] = torch.from_numpy(np.ascontiguousarray(S))
         return counts, sums
 
-    def token_types(self) -> int:
-        """Distinct token types counted at layer 0 (all spills included)."""
-        return sum(len(ids) for ids, _, _ in self.layer_rows(0))
-
 
 def window_sums(norm: torch.Tensor, x: torch.Tensor, ok: torch.Tensor, win: torch.Tensor, n_win: int):
     """Per window (B of them): Σh (B, d), Σû (B, d) and the count of vectors (B,); and Σ û_i² (d,).
 
     norm: (M,) float64 ‖h‖ (0 where excluded), x: (M, d) float64 û (excluded rows zero), ok: (M,)
-    0/1, win: (M,) each row's window.  One float64 GEMM of a (2B, M) selection matrix with x gives
-    both window sums (h = ‖h‖·û), instead of scatter-adds onto a handful of rows."""
+    0/1, win: (M,) each row's window.  Σh = Σ ‖h‖·û is one float64 GEMM of a (B, M) matrix of
+    norms with x (no float64 copy of h); Σû is a scatter-add onto B rows on the CPU, part of the
+    GEMM on a GPU (where float64 atomics on a handful of rows serialise)."""
     M, d = x.shape
-    E = torch.zeros(2 * n_win, M, dtype=torch.float64, device=x.device)  # rows: Σû, then Σh
     cols = torch.arange(M, device=x.device)
-    E[win, cols] = ok.to(torch.float64)
-    E[win + n_win, cols] = norm
-    mu = E @ x  # (2B, d)
     n_w = torch.zeros(n_win, dtype=torch.int64, device=x.device).index_add_(0, win, ok.long())
-    return mu[n_win:], mu[:n_win], n_w, torch.linalg.vector_norm(x, dim=0).square()
+    u2 = (x * x).sum(0)  # (d,)
+    if x.device.type == "cpu":
+        E = torch.zeros(n_win, M, dtype=torch.float64)
+        E[win, cols] = norm
+        return E @ x, torch.zeros(n_win, d, dtype=torch.float64).index_add_(0, win, x), n_w, u2
+    E = torch.zeros(2 * n_win, M, dtype=torch.float64, device=x.device)  # rows: Σh, then Σû
+    E[win, cols] = norm
+    E[win + n_win, cols] = ok.to(torch.float64)
+    mu = E @ x  # (2B, d)
+    return mu[:n_win], mu[n_win:], n_w, u2
 
 
 def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hidden: torch.Tensor,
