@@ -67,9 +67,12 @@ def text(path: Path, tokens: int, zipf: bool) -> Path:
 
 def run(model: Path, source: Path, wh: Path, *extra: str) -> tuple[float, float, dict]:
     """(seconds, peak RSS in GB, the data entry's stats) of one extract in a child process."""
-    code = ("import resource, runpy, sys; sys.argv = sys.argv[1:]; "
+    # The child's own high-water mark: VmHWM belongs to the process's memory map, which exec
+    # replaces; ru_maxrss would also carry the parent's RSS at fork time across the exec (Linux).
+    code = ("import runpy, sys; sys.argv = sys.argv[1:]; "
             "exec(\"try:\\n runpy.run_path(sys.argv[0], run_name='__main__')\\nfinally:\\n "
-            "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\")")
+            "print('RSS', [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0], "
+            "file=sys.stderr)\")")
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", code, str(ROOT / "cli.py"), "extract", "--model", str(model),
                         "--source", f"s={source}", "--warehouse", str(wh), "--device", "cpu",

@@ -455,7 +455,7 @@ def fig_dim_contrib(d: Data) -> Figure:
 def fig_drift_layers(d: Data) -> Figure:
     return _peer_by_layer(
         d, "fig18_drift_by_layer", "Common drift per layer (Biś et al.)",
-        "Mean cosine of each vector to the layer's mean vector μ (solid); all sources, final checkpoint. "
+        "Mean cosine of each vector to the layer's mean vector μ; all sources, final checkpoint. "
         "‖μ‖ is in the view `drift` (mean_norm).",
         "drift", "mean_cos_to_mean", "Mean cosine to the mean vector",
         ["model", "checkpoint", "layer", "n", "mean_norm", "mean_cos_to_mean"])
