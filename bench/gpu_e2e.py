@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,8 +57,7 @@ def extract(model: Path, text: Path, wh: Path, *extra: str) -> float:
 def table(wh: Path, name: str):
     manifest = json.loads((wh / "manifest.json").read_text())
     files = [e["files"][name] for e in manifest["entries"].values() if name in e["files"]]
-    return pq.read_table([str(wh / f) for f in files][0]).to_pydict() if len(files) == 1 else \
-        {k: sum((pq.read_table(str(wh / f)).to_pydict()[k] for f in files), []) for k in pq.read_table(str(wh / files[0])).column_names}
+    return pa.concat_tables([pq.read_table(wh / f) for f in files]).to_pydict()
 
 
 def sums(wh: Path) -> dict:

@@ -8,7 +8,7 @@ which the host already has: the device never has to report which tokens are new,
 path has no host sync on a GPU.  Memory: (L + 2) · U · (8d + 8) bytes for U token types seen
 (a dense table would need (L + 2) · V · 8d whatever the corpus).
 
-**Budget.** With `budget` bytes, the slot tables grow (×2, one layer at a time) only while they
+**Budget.** With `budget` bytes, the slot tables grow (×1.25, one layer at a time) only while they
 fit; when the next batch's new token types would not, the sums so far are *spilled*: written
 exactly (float64) to a spill directory as token-sorted arrays, and the tables are zeroed for
 reuse.  At the end `layer_rows()` merges the spills and the tables per token-id range, so the
@@ -25,7 +25,6 @@ partial over the batch's distinct tokens is summed on the model's device first a
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import warnings
@@ -36,19 +35,6 @@ import numpy as np
 import torch
 
 from .errors import UserError
-
-
-def available_memory(device: torch.device) -> int:
-    """Bytes free on `device` now (CUDA: the driver's free memory; CPU: MemAvailable)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class TokenSums:
@@ -97,8 +83,8 @@ class TokenSums:
     def capacity(self) -> int:
         return len(self.tokens)
 
-    def table_bytes(self, capacity: int | None = None) -> int:
-        return (self.capacity if capacity is None else capacity) * self.slot_bytes
+    def table_bytes(self) -> int:
+        return self.capacity * self.slot_bytes
 
     def _grow(self, need: int) -> bool:
         """Make room for `need` slots in all; False when the budget does not allow it."""
@@ -112,6 +98,7 @@ class TokenSums:
             new = min(new, (self.budget - cap * row) // (self.L * row + 8))
             if new < need:
                 return False
+        self.peak_bytes = max(self.peak_bytes, self.L * new * row + cap * row + 8 * new)  # ≥ table_bytes()
         for layer in range(self.L):
             grown = torch.zeros(new, self.d, dtype=torch.float64, device=self.master)
             grown[:cap] = self.sums[layer]
@@ -119,9 +106,7 @@ class TokenSums:
             counts = torch.zeros(new, dtype=torch.int64, device=self.master)
             counts[:cap] = self.counts[layer]
             self.counts[layer] = counts
-            self.peak_bytes = max(self.peak_bytes, self.L * new * row + cap * row + 8 * new)
         self.tokens = np.concatenate([self.tokens, np.full(new - cap, -1, dtype=np.int64)])
-        self.peak_bytes = max(self.peak_bytes, self.table_bytes())
         return True
 
     def spill(self) -> None:
@@ -135,8 +120,8 @@ class TokenSums:
         order = np.argsort(self.tokens[: self.used], kind="stable")
         np.save(part / "tokens.npy", self.tokens[: self.used][order])
         idx = torch.from_numpy(order).to(self.master)
-        np.save(part / "counts.npy", torch.stack([c[: self.used].index_select(0, idx) for c in self.counts]).cpu().numpy())
-        for layer in range(self.L):  # raw float64 rows (U, d), token-sorted, read back by ranges
+        for layer in range(self.L):  # counts and raw float64 rows (U, d), token-sorted, read back by ranges
+            np.save(part / f"counts{layer}.npy", self.counts[layer][: self.used].index_select(0, idx).cpu().numpy())
             rows = self.sums[layer][: self.used]
             with open(part / f"sums{layer}.f64", "wb") as f:
                 for a in range(0, self.used, 4096):
@@ -183,8 +168,12 @@ class TokenSums:
         ids = input_ids.reshape(-1).numpy()[sel_np].astype(np.int64)  # (M,)
         slots = self._assign(ids)
         sel = torch.from_numpy(sel_np).to(self.device, non_blocking=True)
-        self._windows = (torch.from_numpy(sel_np // input_ids.shape[1]).to(self.device, non_blocking=True),
-                         input_ids.shape[0])  # each counted row's window (M,), number of windows B
+        B, T = input_ids.shape
+        win_np = sel_np // T  # (M,) each counted row's window
+        # per batch, for every layer's window sums: row windows, column indices, vectors per window
+        self._windows = (torch.from_numpy(win_np).to(self.device, non_blocking=True), B,
+                         torch.arange(len(sel_np), device=self.device),
+                         torch.from_numpy(np.bincount(win_np, minlength=B)).to(self.device, non_blocking=True))
         self._counted = counted.to(self.device, non_blocking=True) if self._fused is not None else None
         if not self.fold_partials:
             self._batch = (sel, torch.from_numpy(slots).to(self.device, non_blocking=True), None)
@@ -199,7 +188,6 @@ class TokenSums:
         """hidden: (B, T, d) in any float dtype."""
         sel, index, uniq = self._batch
         d = hidden.shape[-1]
-        win, n_win = self._windows
         if self._fused is not None and self.moments is None and self.sample is None and uniq is None:
             try:
                 stats = self._fused(self.sums[layer], self.counts[layer], index, hidden, sel, self._counted)
@@ -211,7 +199,10 @@ class TokenSums:
                 self._fused = None
             else:
                 self._compiled_once = True
-                self._layer_stats(layer, *stats)
+                nonfinite, zero, *windows = stats
+                self.nonfinite[layer] += nonfinite
+                self.zero[layer] += zero
+                self._window_stats(layer, *windows)
                 return
         h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d) compute dtype
         if self.sample is not None:
@@ -222,18 +213,19 @@ class TokenSums:
         all_ok = bool(ok.all()) if self.host_sync_free else False  # no sync on a GPU
         counts = self._ones
         inv = norm.reciprocal()  # (M,)
+        win, n_win, cols, n_w = self._windows
         if not all_ok:  # NaN/inf or zero vectors are counted, then zeroed out
             self.nonfinite[layer] += (~finite).sum()
             self.zero[layer] += (finite & ~ok).sum()
             h = h.masked_fill(~ok.unsqueeze(1), 0)
             inv = torch.where(ok, inv, 0.0)
+            norm = torch.where(ok, norm, 0.0)
             counts = ok.long()
+            n_w = torch.zeros(n_win, dtype=torch.int64, device=h.device).index_add_(0, win, counts)
         if self.moments is not None:
             self.moments.add(layer, h, ok)
         x = h * inv.unsqueeze(1)  # (M, d) float64 û (type promotion: exact upcast, float64 product)
-        self._layer_stats(layer, torch.zeros((), dtype=torch.int64, device=x.device),
-                          torch.zeros((), dtype=torch.int64, device=x.device),
-                          *window_sums(norm if all_ok else torch.where(ok, norm, 0.0), x, counts, win, n_win))
+        self._window_stats(layer, *window_sums(norm, x, counts, win, n_win, cols), n_w, (x * x).sum(0))
         if uniq is None:
             self.sums[layer].index_add_(0, index, x)
             self.counts[layer].index_add_(0, index, counts)
@@ -244,10 +236,8 @@ class TokenSums:
             self.sums[layer].index_add_(0, uniq, partial.to(self.master))
             self.counts[layer].index_add_(0, uniq, count.to(self.master))
 
-    def _layer_stats(self, layer, nonfinite, zero, m, u, n_w, u2) -> None:
+    def _window_stats(self, layer, m, u, n_w, u2) -> None:
         """Fold one batch's per-window sums m = Σh (B, d), u = Σû (B, d), n_w (B,) and Σû² (d,)."""
-        self.nonfinite[layer] += nonfinite
-        self.zero[layer] += zero
         self.sum_h[layer] += m.sum(0)
         self.sum_u2[layer] += u2
         norm = torch.linalg.vector_norm(m, dim=1)  # (B,)
@@ -274,7 +264,7 @@ class TokenSums:
                 keep = counts_mem[a:b] > 0
                 yield mem_ids[a:b][keep], counts_mem[a:b][keep], S[keep]
             return
-        spilled = [(np.load(p / "tokens.npy"), np.load(p / "counts.npy")[layer], open(p / f"sums{layer}.f64", "rb"))
+        spilled = [(np.load(p / "tokens.npy"), np.load(p / f"counts{layer}.npy"), open(p / f"sums{layer}.f64", "rb"))
                    for p in self.spills]  # read by explicit ranges (no memory map: RSS stays bounded)
         try:
             yield from self._merged(spilled, mem_ids, mem_idx, counts_mem, layer, chunk_rows)
@@ -312,34 +302,32 @@ class TokenSums:
         return counts, sums
 
 
-def window_sums(norm: torch.Tensor, x: torch.Tensor, ok: torch.Tensor, win: torch.Tensor, n_win: int):
-    """Per window (B of them): Σh (B, d), Σû (B, d) and the count of vectors (B,); and Σ û_i² (d,).
+def window_sums(norm: torch.Tensor, x: torch.Tensor, ok: torch.Tensor, win: torch.Tensor, n_win: int,
+                cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per window (B of them): Σh (B, d) and Σû (B, d) of the eager path.
 
     norm: (M,) float64 ‖h‖ (0 where excluded), x: (M, d) float64 û (excluded rows zero), ok: (M,)
-    0/1, win: (M,) each row's window.  Σh = Σ ‖h‖·û is one float64 GEMM of a (B, M) matrix of
-    norms with x (no float64 copy of h); Σû is a scatter-add onto B rows on the CPU, part of the
-    GEMM on a GPU (where float64 atomics on a handful of rows serialise)."""
+    0/1, win: (M,) each row's window, cols = arange(M).  Σh = Σ ‖h‖·û is one float64 GEMM of a
+    (B, M) matrix of norms with x (no float64 copy of h); Σû is a scatter-add onto B rows on the
+    CPU, part of the GEMM on a GPU (where float64 atomics on a handful of rows serialise)."""
     M, d = x.shape
-    cols = torch.arange(M, device=x.device)
-    n_w = torch.zeros(n_win, dtype=torch.int64, device=x.device).index_add_(0, win, ok.long())
-    u2 = (x * x).sum(0)  # (d,)
     if x.device.type == "cpu":
         E = torch.zeros(n_win, M, dtype=torch.float64)
         E[win, cols] = norm
-        return E @ x, torch.zeros(n_win, d, dtype=torch.float64).index_add_(0, win, x), n_w, u2
+        return E @ x, torch.zeros(n_win, d, dtype=torch.float64).index_add_(0, win, x)
     E = torch.zeros(2 * n_win, M, dtype=torch.float64, device=x.device)  # rows: Σh, then Σû
     E[win, cols] = norm
     E[win + n_win, cols] = ok.to(torch.float64)
     mu = E @ x  # (2B, d)
-    return mu[:n_win], mu[n_win:], n_w, u2
+    return mu[:n_win], mu[n_win:]
 
 
 def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hidden: torch.Tensor,
                sel: torch.Tensor, counted: torch.Tensor):
     """One layer of one batch, written for `torch.compile` (the GPU path): sums (U, d) float64 +=
     û of the counted positions of hidden (B, T, d) (flat positions `sel` (M,), slots `index`
-    (M,)), counts += 1 per finite non-zero vector; plus the sums of `window_sums`, here as plain
-    reductions over T (no atomics on B rows).  Returns (vectors with NaN/inf, with zero norm,
+    (M,)), counts += 1 per finite non-zero vector; plus the per-window sums the eager path gets
+    from `window_sums`, here as plain reductions over T (no atomics on B rows).  Returns (vectors with NaN/inf, with zero norm,
     Σh per window (B, d), Σû per window (B, d), vectors per window (B,), Σû² (d,)) as device
     tensors: no sync.  Compiled, the upcast, scaling and masking fuse into the reductions and the
     scatter-add, so no (B, T, d) float64 tensor is materialised; eager, it is the same arithmetic."""

@@ -84,8 +84,13 @@ def _path_of(model: torch.nn.Module, module: torch.nn.Module | None) -> str | No
     return None
 
 
+def text_config(config):
+    """The language model's part of a config (multimodal configs nest it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def n_layers_of(config) -> int | None:
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = text_config(config)
     for attr in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
         value = getattr(cfg, attr, None)
         if isinstance(value, int) and value > 0:
@@ -120,14 +125,9 @@ def block_input(args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 def block_output(output) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, (tuple, list)):
-        return output[0]
-    hidden = getattr(output, "last_hidden_state", None)
-    if hidden is None and hasattr(output, "__getitem__"):
-        hidden = output[0]
-    return hidden
+    """A block's (or the base model's) hidden states: the tensor, or the first item of a tuple or
+    ModelOutput."""
+    return output if isinstance(output, torch.Tensor) else output[0]
 
 
 def probe_inputs(model: torch.nn.Module, vocab: int) -> dict:
@@ -144,9 +144,8 @@ def _probe(model: torch.nn.Module, base: torch.nn.Module, blocks: torch.nn.Modul
     order: list[torch.nn.Module] = []
     outputs: dict[int, torch.Tensor] = {}
     last_block_end = [-1]
-    handles = []
-
     width = []
+    handles = []
 
     def pre(module, args):
         order.append(module)
@@ -212,7 +211,7 @@ def discover(model: torch.nn.Module, head: str, user: dict[str, str | None] | No
 
     base_mod = getattr(model, "base_model", model)
     base = _path_of(model, base_mod) or ""
-    vocab = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config, "vocab_size", 2)
+    vocab = getattr(text_config(config), "vocab_size", 2)
 
     def found(role: str, value):
         if role in fixed:
@@ -238,9 +237,5 @@ def discover(model: torch.nn.Module, head: str, user: dict[str, str | None] | No
     if get_module(model, emb) is None or not hasattr(get_module(model, emb), "weight"):
         raise UserError(f"embedding {emb!r} of {type(model).__name__} has no weight matrix")
     norm, d = _probe(model, base_mod, block_list, vocab, forward_kwargs or {})
-    if "final_norm" in fixed:
-        final = fixed["final_norm"]
-    else:
-        how["final_norm"] = "discovered"
-        final = _path_of(model, norm)
+    final = found("final_norm", _path_of(model, norm))
     return Layout(model_type, head, base, emb, blocks, final, unemb, d, how)

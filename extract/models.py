@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .architectures import Layout, discover
+from .architectures import Layout, discover, text_config
 from .errors import UserError
 
 PYTHIA_SIZES = ("14m", "31m", "70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")
@@ -211,7 +211,7 @@ def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
         raise UserError(f"cannot load model {ref.location!r} at {checkpoint!r}{offline}: {_one_line(e)}") from None
     model.eval()
     layout = discover(model, head, modules, forward_kwargs(head))
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     context = int(getattr(text, "max_position_embeddings", 0) or getattr(text, "n_positions", 0) or 2048)
     emb_rows = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > emb_rows:

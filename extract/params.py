@@ -10,57 +10,8 @@ from __future__ import annotations
 import torch
 
 from .architectures import get_module, is_norm
+from .memory import page_out, release_memory
 from .models import Loaded
-
-
-def release_memory() -> None:
-    """Hand freed host memory back to the OS.  glibc keeps freed chunks below its (dynamic) mmap
-    threshold in the heap, so a pass over a 128k × d matrix in chunks leaves hundreds of MB of
-    RSS behind; malloc_trim returns them (a no-op elsewhere)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def limit_malloc_arenas(n: int = 2) -> None:
-    """glibc gives each thread that allocates its own heap arena (up to 8 × cores); PyTorch's
-    intra-op threads then fragment the per-batch temporaries over many arenas, ~100 MB of RSS
-    for nothing here.  Two arenas (M_ARENA_MAX) keep that bounded; a no-op elsewhere."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-8, n)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
-
-
-def page_out(t: torch.Tensor) -> None:
-    """Ask the kernel to reclaim the resident pages of a CPU tensor (MADV_PAGEOUT, Linux ≥ 5.4).
-
-    Weights loaded from safetensors are file-backed memory maps: reading all of W for the
-    partition function makes every page resident, though afterwards the forward touches only
-    the embedding rows of the tokens seen (and never the unembedding).  Clean file pages are
-    dropped and fault back in from the page cache when read; nothing is lost.  Anonymous
-    memory without swap stays; on other systems this is a no-op."""
-    if t.device.type != "cpu" or t.numel() == 0:
-        return
-    import ctypes
-    import mmap
-
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:
-        return
-    page = mmap.PAGESIZE
-    start = -(-t.data_ptr() // page) * page
-    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-    if end > start:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 21)  # MADV_PAGEOUT
 
 
 def _float64_device(device: torch.device) -> torch.device:
@@ -85,21 +36,23 @@ def partition_rows(W: torch.Tensor, chunk_bytes: int = 1 << 22) -> dict[str, lis
     rows = max(1, chunk_bytes // (8 * d))
     chunks = [(a, min(a + rows, V)) for a in range(0, V, rows)]
 
-    def part(a, b, dt):
-        return W[a:b].to(dev, dt, copy=True)  # (rows, d), never a view of the model's weights
+    def part(a, b):
+        """Rows a:b in float64 and float32 (both exact copies of the stored values, never views)."""
+        w = W[a:b].to(dev, torch.float64, copy=True)  # (rows, d)
+        return w, w.float()
 
     total = torch.zeros(d, dtype=torch.float64, device=dev)
     total32 = torch.zeros(d, dtype=torch.float32, device=dev)
     for a, b in chunks:
-        total += part(a, b, torch.float64).sum(0)
-        total32 += part(a, b, torch.float32).sum(0)
+        w, w32 = part(a, b)
+        total += w.sum(0)
+        total32 += w32.sum(0)
     mu, mu32 = total / V, total32 / V  # (d,)
     G = torch.zeros(d, d, dtype=torch.float64, device=dev)
     G32 = torch.zeros(2, d, d, dtype=torch.float32, device=dev)  # raw, centred
     for a, b in chunks:
-        w = part(a, b, torch.float64)
+        w, w32 = part(a, b)
         G.addmm_(w.T, w)
-        w32 = part(a, b, torch.float32)
         G32[0].addmm_(w32.T, w32)
         wc32 = w32 - mu32
         G32[1].addmm_(wc32.T, wc32)
@@ -109,8 +62,7 @@ def partition_rows(W: torch.Tensor, chunk_bytes: int = 1 << 22) -> dict[str, lis
     lse = torch.full((2, 2, d), -torch.inf, dtype=torch.float64, device=dev)  # centred, sign, eig
     z32 = torch.zeros(2, d, dtype=torch.float32, device=dev)
     for a, b in chunks:
-        w = part(a, b, torch.float64)
-        w32 = part(a, b, torch.float32)
+        w, w32 = part(a, b)
         for c, (_, evecs) in enumerate(eig):
             proj = w @ evecs  # (rows, d): ⟨c_k, W_i⟩
             if c:

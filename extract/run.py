@@ -26,12 +26,13 @@ from tqdm import tqdm
 from warehouse import schema, store
 
 from . import faults
-from .accumulate import Moments, Sample, TokenSums, available_memory
+from .accumulate import Moments, Sample, TokenSums
 from .architectures import get_module
 from .errors import UserError
 from .hooks import capture_layers, layer_kinds
 from .models import DTYPES, Loaded, ModelRef, check_dtype, forward_kwargs, load, to_compute
-from .params import limit_malloc_arenas, norm_table, partition_table, release_memory, vocab_table
+from .memory import available_memory, limit_malloc_arenas, release_memory
+from .params import norm_table, partition_table, vocab_table
 from .sources import ReadStats, SentenceSplitter, Source, fingerprint, indexed_documents, position_keys, source_salt
 
 
@@ -186,15 +187,14 @@ def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_si
             n, p = len(ids), len(prefix)
             input_ids[i, : p + n + len(suffix)] = torch.tensor(prefix + ids + suffix)
             mask[i, : p + n + len(suffix)] = 1
-            text = torch.tensor(ids)
-            counted[i, p : p + n] = ~torch.isin(text, special_ids)
             where[i, :, 0] = doc
             where[i, p : p + n, 1] = torch.arange(start, start + n)
-            if count_special:
+            if count_special:  # every position of the window but padding
+                counted[i, : p + n + len(suffix)] = True
                 spec = list(range(p)) + list(range(p + n, p + n + len(suffix)))
-                counted[i, spec] = True
                 where[i, spec, 1] = torch.tensor([-1 - start * 8 - j for j in range(len(spec))], dtype=torch.long)
-                counted[i, p : p + n] = True
+            else:
+                counted[i, p : p + n] = ~torch.isin(torch.tensor(ids), special_ids)
         return input_ids, mask, counted, where
 
     buffer: list[tuple[list[int], int, int]] = []

@@ -69,7 +69,7 @@ def hidden_states(model_dir: str, texts: list[str], max_length: int, max_tokens:
                 layers = layers[:-1] + [last, layers[-1]]
             keep = slice(len(prefix), len(prefix) + len(ids))
             if windows is not None:
-                windows.extend([_next_window(windows)] * len(ids))
+                windows.extend([windows[-1] + 1 if windows else 0] * len(ids))
             for layer, h in enumerate(layers):
                 out[layer][0].extend(seq[keep])
                 out[layer][1].append(h[0, keep].double().numpy())
@@ -98,10 +98,6 @@ def own_hidden_states(model_dir: str, texts: list[str], special: bool = False):
                 out[i][0].extend(ids[0, keep].tolist())
                 out[i][1].append(h[0, keep].double().numpy())
     return {k: (np.array(v[0]), np.concatenate(v[1])) for k, v in out.items()}
-
-
-def _next_window(windows: list) -> int:
-    return (windows[-1] + 1) if windows else 0
 
 
 def mean_pairwise_cosine(X: np.ndarray) -> float:
