@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 import typer.core
 
-from extract.errors import UserError
+from common.errors import UserError
 
 typer.core.HAS_RICH = False  # usage errors as plain text: "Error: Invalid value for ..." on one line
 
@@ -174,8 +174,9 @@ def sql(
 
 
 @app.command()
-def validate(warehouse: Path = WAREHOUSE, fix: bool = typer.Option(False, "--fix", help="Remove orphaned files, recompute stale derived tables, rewrite views.sql.")):
-    """Check every file of the warehouse against the schema and the manifest.
+def validate(warehouse: Path = WAREHOUSE, fix: bool = typer.Option(False, "--fix", help="Remove orphaned files, re-merge stale or wrong merged tables, rewrite views.sql.")):
+    """Check every file of the warehouse against the schema and the manifest, and every merged
+    table against a fresh merge of its partials.
 
     Example: python cli.py validate --warehouse warehouse --fix
     """
@@ -193,6 +194,34 @@ def validate(warehouse: Path = WAREHOUSE, fix: bool = typer.Option(False, "--fix
         typer.echo(f"{len(problems)} problem(s) in {warehouse}", err=True)
         raise typer.Exit(1)
     typer.echo(f"{warehouse}: ok", err=True)
+
+
+@app.command()
+def compact(
+    warehouse: Path = WAREHOUSE,
+    model: Optional[str] = typer.Option(None, help="Only this model (default: every model)."),
+    checkpoint: Optional[str] = typer.Option(None, help="Only this checkpoint (default: every checkpoint)."),
+):
+    """Make checkpoints final: drop the per-partial token vectors, moments and samples and the merge
+    state, keeping every table a view reads (all views stay exact).  A compacted checkpoint takes no
+    new or re-run partial (that is refused with an error); extract those into another warehouse.
+
+    Example: python cli.py compact --warehouse warehouse --model pythia-1.4b --checkpoint step143000
+    """
+    from warehouse.merge import compact as run_compact
+    from warehouse.query import refresh_companions
+
+    try:
+        if not warehouse.is_dir():
+            raise UserError(f"{warehouse}: no such warehouse directory")
+        res = run_compact(warehouse, model, checkpoint)
+        refresh_companions(warehouse)
+    except UserError as e:
+        fail(str(e))
+    b, a = res["before"], res["after"]
+    per = lambda x: f"{x['bytes_per_cell']:.1f}" if x["bytes_per_cell"] is not None else "-"  # noqa: E731
+    typer.echo(f"compacted {res['checkpoints']} checkpoint(s): token-level bytes {b['bytes']} -> {a['bytes']} "
+               f"({per(b)} -> {per(a)} B per (layer, token type), {a['cells']} cells)")
 
 
 @app.command()

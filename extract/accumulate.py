@@ -34,7 +34,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from .errors import UserError
+from common.errors import UserError
 
 
 class TokenSums:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import UserError
+from common.errors import UserError
 
 ROLES = ("embedding", "blocks", "final_norm", "unembedding")
 

@@ -23,12 +23,12 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-from warehouse import schema, store
+from common import faults
+from common.errors import UserError
+from warehouse import merge, query, schema, store
 
-from . import faults
 from .accumulate import Moments, Sample, TokenSums
 from .architectures import get_module
-from .errors import UserError
 from .hooks import capture_layers, layer_kinds
 from .models import DTYPES, Loaded, ModelRef, check_dtype, forward_kwargs, load, to_compute
 from .memory import available_memory, limit_malloc_arenas, release_memory
@@ -428,6 +428,8 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: 
             if not todo and params_key in manifest["entries"]:
                 log(f"{ref.name}@{checkpoint}: already in the warehouse with these settings; skipped")
                 continue
+        if not settings.params_only:
+            merge.check_open(store.read_manifest(root), ref.name, checkpoint)  # before hours of forward passes
         loaded = load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code, settings.modules)
         if settings.max_length is not None and settings.max_length > loaded.context:
             raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
@@ -470,7 +472,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: 
                     log(f"warning: {source.name}: {result.skipped_lines} lines had bytes that are not UTF-8 (skipped)")
                 if result.nonfinite:
                     log(f"warning: {source.name}: {result.nonfinite} NaN/inf activations counted and excluded")
-            store.commit(root, entries)
+            merge.commit(root, entries)  # the partials and their merged tables, in one manifest write
         except BaseException:
             for rel in written:
                 with contextlib.suppress(FileNotFoundError):
@@ -478,6 +480,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: 
             raise
         finally:
             del loaded
+        query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
         for r in results[-len(todo):] if todo and not settings.params_only else []:
             log(f"{ref.name}@{checkpoint} {r.source}: {r.tokens} tokens, {r.documents} documents, "
                 f"{r.skipped} skipped, {r.windows} windows, {r.nonfinite} non-finite, "

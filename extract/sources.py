@@ -21,8 +21,8 @@ from typing import Iterator
 
 import numpy as np
 
-from . import faults
-from .errors import UserError
+from common import faults
+from common.errors import UserError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 FORMATS = (".jsonl.zst", ".jsonl", ".json.gz", ".txt", ".parquet")

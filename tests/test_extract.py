@@ -15,7 +15,7 @@ import torch
 import reference as ref
 from conftest import run_cli
 from extract.accumulate import TokenSums
-from extract.errors import UserError
+from common.errors import UserError
 from extract.models import paper_checkpoints, parse_step, resolve_model
 from extract.sources import ReadStats, Source, SentenceSplitter, documents, parse_shard
 from warehouse.query import connect

@@ -11,7 +11,7 @@ import torch
 
 import reference as ref
 from conftest import run_cli
-from warehouse.derived import covariance, cross_covariance, linearity_from_cov
+from warehouse.measures import covariance, cross_covariance, linearity_from_cov
 from warehouse.query import connect, isoscore_star, load_metrics
 
 MAXLEN = 32

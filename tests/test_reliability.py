@@ -1,6 +1,6 @@
 """Reliability: kill -9 anywhere, concurrent writers, and the catalogue of bad input.
 
-Kills are injected with ISO_FAULT=point[:n] (extract/faults.py), which SIGKILLs the extract
+Kills are injected with ISO_FAULT=point[:n] (common/faults.py), which SIGKILLs the extract
 process the n-th time it reaches the point: while reading, after a forward pass, while writing
 Parquet, before a file is renamed into place, before and after the manifest is replaced, before
 stale files are removed, before the derived tables are committed."""
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ROOT, run_cli
-from extract.errors import UserError
+from common.errors import UserError
 from extract.sources import ReadStats, Source, documents
 from warehouse.query import connect
 
@@ -26,8 +26,8 @@ VIEWS = ["inter_sim", "inter_sim_by_source", "intra_sim", "avg_intra_sim", "isot
          "anisotropy", "linearity", "intrinsic_dim", "inter_sim_types"]
 # (point, n): where the process dies; commit = the kill comes after the manifest was replaced
 KILLS = [("read", 1), ("read", 40), ("forward", 1), ("forward", 4), ("write", 1), ("write", 7),
-         ("close", 1), ("close", 4), ("manifest", 1), ("views", 1), ("gc", 1), ("derive", 1)]
-AFTER_COMMIT = {"views", "gc", "derive"}
+         ("close", 1), ("close", 4), ("manifest", 1), ("views", 1), ("gc", 1), ("merge", 1)]
+AFTER_COMMIT = {"views", "gc"}
 
 
 def snapshot(wh: Path) -> dict:
@@ -35,7 +35,7 @@ def snapshot(wh: Path) -> dict:
     out = {v: sorted(tuple(round(x, 9) if isinstance(x, float) else x for x in r)
                      for r in con.execute(f"SELECT * FROM {v}").fetchall()) for v in VIEWS}
     out["runs"] = sorted(con.execute("SELECT kind, model, checkpoint, source, shard, tokens FROM runs "
-                                     "WHERE kind <> 'derived'").fetchall())
+                                     "WHERE kind <> 'merged'").fetchall())
     con.close()
     return out
 

@@ -1,8 +1,9 @@
 """DuckDB views over the warehouse: base tables from the manifest, metrics from `queries/*.sql`.
 
-The base views (`token_sums`, `layer_sums`, `partition_fn`, `norm_params`, `vocab`, `runs`)
-read exactly the Parquet files that the manifest lists, so files of unfinished or replaced
-runs are never seen.  Each metric is one `.sql` file in `queries/` whose header says
+The base views (one per table of schema.py, and `runs`) read exactly the Parquet files that the
+manifest lists, so files of unfinished or replaced runs are never seen.  The metric views read
+only the merged tables (merge.py), never the per-partial ones, so their cost does not grow with
+the number of partials.  Each metric is one `.sql` file in `queries/` whose header says
 
     -- <name>: <one line>
     -- Formula: ...
@@ -20,9 +21,9 @@ from pathlib import Path
 
 import duckdb
 
-from extract.errors import UserError
+from common.errors import UserError
 
-from . import schema, store
+from . import merge, schema, store
 
 QUERIES_DIR = Path(__file__).resolve().parent.parent / "queries"
 BASE_VIEWS = (*schema.TABLES, "runs")
@@ -81,7 +82,9 @@ def base_view_sql(root: Path, manifest: dict) -> list[str]:
         cols = ", ".join(f'"{f.name}"' for f in arrow_schema)
         if files:
             file_list = "[" + ", ".join(_sql_str(f) for f in files) + "]"
-            src = f"SELECT {cols} FROM read_parquet({file_list}, hive_partitioning = false, union_by_name = true)"
+            # token_sums' vec is float16/32/64 by --vector-dtype: only there are file schemas unified
+            union = ", union_by_name = true" if table == "token_sums" else ""
+            src = f"SELECT {cols} FROM read_parquet({file_list}, hive_partitioning = false{union})"
         else:
             src = "SELECT " + ", ".join(
                 f'CAST(NULL AS {schema.duckdb_type(f.type)}) AS "{f.name}"' for f in arrow_schema
@@ -105,6 +108,21 @@ def all_view_sql(root: Path, manifest: dict) -> list[str]:
     ]
 
 
+def companions_current(root: Path, manifest: dict) -> bool:
+    views = Path(root) / store.VIEWS_FILE
+    return not manifest["entries"] or (views.exists() and store.generation_tag(manifest) in views.read_text())
+
+
+def refresh_companions(root: Path) -> None:
+    """Rewrite runs.parquet and views.sql if a process died between the manifest and them."""
+    root = Path(root)
+    if not companions_current(root, store.read_manifest(root)):
+        with store.locked(root):
+            manifest = store.read_manifest(root)
+            store.write_runs_table(root, manifest)
+            write_views_file(root, manifest)
+
+
 def write_views_file(root: Path, manifest: dict | None = None) -> Path:
     """The init file for the DuckDB shell: `duckdb -init WAREHOUSE/views.sql`."""
     root = Path(root)
@@ -124,12 +142,12 @@ def connect(root: str | Path = "warehouse") -> duckdb.DuckDBPyConnection:
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root}: no such warehouse directory")
-    store.refresh_companions(root)
-    from .derived import ensure_derived, stale_pairs
-
-    if stale_pairs(store.read_manifest(root)):
-        ensure_derived(root)  # a process died between its data commit and the derived tables
+    refresh_companions(root)
     manifest = store.read_manifest(root)
+    stale, extra = merge.stale_groups(manifest)
+    if stale or extra:  # only a hand-edited manifest or a warehouse restored in parts gets here
+        raise UserError(f"{root}: merged tables do not match the partials for {len(stale) + len(extra)} group(s); "
+                        "run `python cli.py validate --warehouse ... --fix`")
     con = duckdb.connect()
     for stmt in all_view_sql(root, manifest):
         con.execute(stmt)

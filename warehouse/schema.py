@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2  # 2: layer_sums gained sum_h, sum_u2, windows, window_cos; runs gained stats
+SCHEMA_VERSION = 3  # 3: merged tables folded at commit; 2: layer_sums gained sum_h, sum_u2, windows, window_cos
 
 # Partition columns, in directory order, per table.
 DATA_PARTITIONS = ("model", "checkpoint", "source", "shard")
 PARAM_PARTITIONS = ("model", "checkpoint")
+MERGED_PARTITIONS = ("model", "checkpoint", "source")  # source: a text source, or 'all' 
 
 _KEY_DATA = [
     pa.field("model", pa.string(), nullable=False),
@@ -140,9 +141,39 @@ VOCAB = pa.schema(
     ]
 )
 
-# Derived tables (warehouse/derived.py), recomputed from the tables above whenever a
-# (model, checkpoint)'s data changes; source = 'all' holds the merge of every source.
-_KEY_DERIVED = _KEY_PARAMS + [pa.field("source", pa.string(), nullable=False), pa.field("layer", pa.int16(), nullable=False)]
+# ---- Merged tables (warehouse/merge.py): folded at commit, one file set per (model, checkpoint, group),
+# group = a source (its shards merged) or 'all' (every partial of the checkpoint).  Views read only these.
+_KEY_MERGED = _KEY_PARAMS + [pa.field("source", pa.string(), nullable=False)]
+
+# Per (…, group, layer, token_id): n and the exact ‖Σû‖² = Σ_p sum_sq_p + 2 Σ_{p<q} ⟨s_p, s_q⟩.
+TOKEN_STATS = pa.schema(_KEY_MERGED + [
+    pa.field("layer", pa.int16(), nullable=False),
+    pa.field("token_id", pa.int32(), nullable=False),
+    pa.field("n", pa.int64(), nullable=False),
+    pa.field("sum_sq", pa.float64(), nullable=False),
+])
+# The merged Σû (float64) of each (layer, token_id): the state later partials fold into (dropped by compact).
+TOKEN_VECTORS = pa.schema(_KEY_MERGED + [
+    pa.field("layer", pa.int16(), nullable=False),
+    pa.field("token_id", pa.int32(), nullable=False),
+    pa.field("vec", pa.list_(pa.float64()), nullable=False),
+])
+# layer_sums merged per group; sum_sq by the same algebra as token_stats.
+LAYER_TOTALS = pa.schema(_KEY_MERGED + [f for f in LAYER_SUMS if f.name not in {f.name for f in _KEY_DATA}])
+# Per (…, group, layer, bucket): the token types whose merged count n_t has ⌊log₂ n_t⌋ = bucket.
+FREQUENCY_BUCKETS = pa.schema(_KEY_MERGED + [
+    pa.field("layer", pa.int16(), nullable=False),
+    pa.field("bucket", pa.int32(), nullable=False),
+    pa.field("types", pa.int64(), nullable=False),
+    pa.field("n", pa.int64(), nullable=False),
+    pa.field("sum_sq", pa.float64(), nullable=False),  # ‖Σ_{t ∈ bucket} Σû_t‖², float64
+])
+# The merged moments and bottom-k sample (state for later folds; dropped by compact).
+MOMENTS_MERGED = pa.schema(_KEY_MERGED + [f for f in MOMENTS if f.name not in {f.name for f in _KEY_DATA}])
+SAMPLES_MERGED = pa.schema(_KEY_MERGED + [f for f in SAMPLES if f.name not in {f.name for f in _KEY_DATA}])
+
+# Derived per group from the merged state: source = 'all' holds the merge of every source.
+_KEY_DERIVED = _KEY_MERGED + [pa.field("layer", pa.int16(), nullable=False)]
 SPECTRUM = pa.schema(_KEY_DERIVED + [
     pa.field("n", pa.int64(), nullable=False),
     pa.field("k", pa.int32(), nullable=False),  # 1 = largest
@@ -171,6 +202,12 @@ TABLES: dict[str, pa.Schema] = {
     "layer_sums": LAYER_SUMS,
     "moments": MOMENTS,
     "samples": SAMPLES,
+    "token_stats": TOKEN_STATS,
+    "token_vectors": TOKEN_VECTORS,
+    "layer_totals": LAYER_TOTALS,
+    "frequency_buckets": FREQUENCY_BUCKETS,
+    "moments_merged": MOMENTS_MERGED,
+    "samples_merged": SAMPLES_MERGED,
     "spectrum": SPECTRUM,
     "dim_variance": DIM_VARIANCE,
     "layer_metrics": LAYER_METRICS,
@@ -179,13 +216,15 @@ TABLES: dict[str, pa.Schema] = {
     "vocab": VOCAB,
 }
 DATA_TABLES = ("token_sums", "layer_sums", "moments", "samples")
-DERIVED_TABLES = ("spectrum", "dim_variance", "layer_metrics")
+MERGED_TABLES = ("token_stats", "token_vectors", "layer_totals", "frequency_buckets", "moments_merged",
+                 "samples_merged", "spectrum", "dim_variance", "layer_metrics")
+STATE_TABLES = ("token_vectors", "moments_merged", "samples_merged")  # only for later folds: compact drops them
 PARAM_TABLES = ("partition_fn", "norm_params", "vocab")
 
 # Manifest entries, flattened into the `runs` view.
 RUNS = pa.schema(
     [
-        pa.field("kind", pa.string()),  # data | params
+        pa.field("kind", pa.string()),  # data | params | merged
         pa.field("model", pa.string()),
         pa.field("checkpoint", pa.string()),
         pa.field("step", pa.int64()),

@@ -2,10 +2,13 @@
 
 A run writes its Parquet files under `tables/<table>/<partition dirs>/<run_id>.parquet`
 (each file written to a temporary name, fsynced, then renamed).  Files become visible to
-queries only when the manifest lists them: `commit()` replaces `manifest.json` atomically
-(write + fsync + rename under an exclusive lock), so a killed run leaves nothing that a view
-can see, and a re-run of the same key replaces the earlier entry instead of adding to it.
-Files that no entry lists any more are deleted after the commit (and by `validate --fix`).
+queries only when the manifest lists them: `commit_locked()` replaces `manifest.json`
+atomically (write + fsync + rename under an exclusive lock), so a killed run leaves nothing
+that a view can see, and a re-run of the same key replaces the earlier entry instead of adding
+to it.  Files that no entry lists any more are deleted after the commit (and by `validate --fix`).
+
+This is the bottom of the warehouse: it knows files and the manifest, not what the tables mean
+(merge.py folds partials, query.py makes views; neither is imported here).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from urllib.parse import quote
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from extract import faults
-from extract.errors import UserError
+from common import faults
+from common.errors import UserError
 
 from . import schema
 
@@ -40,7 +43,8 @@ def new_run_id() -> str:
 
 def partition_dir(table: str, values: dict[str, str]) -> str:
     """Relative directory of one partition; values are percent-encoded (no '/' or '..' escape)."""
-    keys = schema.DATA_PARTITIONS if table in schema.DATA_TABLES else schema.PARAM_PARTITIONS  # derived: per checkpoint
+    keys = (schema.DATA_PARTITIONS if table in schema.DATA_TABLES else
+            schema.MERGED_PARTITIONS if table in schema.MERGED_TABLES else schema.PARAM_PARTITIONS)
     parts = [f"{k}={quote(str(values[k]), safe='')}" for k in keys]
     return "/".join(["tables", table, *parts])
 
@@ -140,24 +144,10 @@ def check_compatible(manifest: dict, model: str, hidden_size: int) -> None:
             )
 
 
-def commit(root: Path, entries: list[dict], derive: bool = True) -> list[str]:
-    """Add or replace manifest entries atomically, then bring the derived tables of the touched
-    (model, checkpoint)s up to date; returns the files no entry lists any more."""
-    root = Path(root)
-    with locked(root):
-        manifest = read_manifest(root)
-        for e in entries:
-            check_compatible(manifest, e["model"], e["hidden_size"])
-        stale = commit_locked(root, manifest, entries)
-    if derive and any(e["kind"] == "data" for e in entries):
-        from .derived import ensure_derived
-
-        ensure_derived(root, {(e["model"], e["checkpoint"]) for e in entries if e["kind"] == "data"})
-    return stale
-
-
 def commit_locked(root: Path, manifest: dict, entries: list[dict], remove: list[str] = ()) -> list[str]:
-    """The commit itself; the caller holds `locked(root)` and read `manifest` under it."""
+    """Add or replace `entries` (and drop the keys in `remove`) in one atomic manifest write, then
+    delete the files no entry lists any more; returns them.  The caller holds `locked(root)` and read
+    `manifest` under it (warehouse/merge.py's `commit` is the one caller that adds data)."""
     old_files = {f for e in manifest["entries"].values() for f in e["files"].values()}
     for e in entries:
         manifest["entries"][e["key"]] = e
@@ -168,7 +158,7 @@ def commit_locked(root: Path, manifest: dict, entries: list[dict], remove: list[
     faults.hit("manifest")
     atomic_write_bytes(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     faults.hit("views")
-    write_companions(root, manifest)
+    write_runs_table(root, manifest)
     stale = sorted(old_files - live)
     faults.hit("gc")
     for rel in stale:
@@ -177,30 +167,9 @@ def commit_locked(root: Path, manifest: dict, entries: list[dict], remove: list[
     return stale
 
 
-def write_companions(root: Path, manifest: dict) -> None:
-    """runs.parquet and views.sql, which follow the manifest (generation recorded in views.sql)."""
-    write_runs_table(root, manifest)
-    from .query import write_views_file  # views depend on the manifest, not the reverse
-
-    write_views_file(root, manifest)
-
-
 def generation_tag(manifest: dict) -> str:
     """The line views.sql carries to say which manifest it was written from."""
     return f"-- generation {manifest.get('generation', 0)}\n"
-
-
-def companions_current(root: Path, manifest: dict) -> bool:
-    views = Path(root) / VIEWS_FILE
-    return not manifest["entries"] or (views.exists() and generation_tag(manifest) in views.read_text())
-
-
-def refresh_companions(root: Path) -> None:
-    """Rewrite runs.parquet and views.sql if a process died between the manifest and them."""
-    root = Path(root)
-    if not companions_current(root, read_manifest(root)):
-        with locked(root):
-            write_companions(root, read_manifest(root))
 
 
 def write_runs_table(root: Path, manifest: dict) -> None:

@@ -1,4 +1,5 @@
-"""`cli.py validate`: check a warehouse's files against the schema and the manifest."""
+"""`cli.py validate`: check a warehouse's files against the schema and the manifest, and its merged
+tables against a fresh merge of their partials."""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from . import schema, store
-from .derived import stale_pairs
+from . import merge, query, schema, store
 
 
 def _same_type(got: pa.DataType, want: pa.DataType, table: str, column: str) -> bool:
-    if table == "token_sums" and column == "vec":  # --vector-dtype: float16/32/64 lists
+    if table in ("token_sums",) and column == "vec":  # --vector-dtype: float16/32/64 lists
         return pa.types.is_list(got) and pa.types.is_floating(got.value_type)
     return got == want
 
@@ -66,17 +66,16 @@ def validate(root: Path, fix: bool = False) -> list[str]:
                 (root / rel).unlink()
         else:
             problems.append(f"{rel}: not listed in the manifest (left by an interrupted run; --fix removes it)")
-    stale = stale_pairs(manifest)
-    if stale:
+    if not problems:  # the merged tables are checked by re-merging readable partials
+        bad = merge.check(root, manifest)
+        if bad and fix:
+            merge.rebuild(root, sorted({k for k, _ in bad}))
+            manifest = store.read_manifest(root)
+            bad = merge.check(root, manifest)
+        problems += [msg for _, msg in bad]
+    if not query.companions_current(root, manifest):
         if fix:
-            from .derived import ensure_derived
-
-            ensure_derived(root)
-        else:
-            problems.append(f"derived tables out of date for {sorted(stale)} (--fix, or any query, recomputes them)")
-    if not store.companions_current(root, manifest):
-        if fix:
-            store.refresh_companions(root)
+            query.refresh_companions(root)
         else:
             problems.append(f"{store.VIEWS_FILE} does not match the manifest (--fix rewrites it)")
     return problems

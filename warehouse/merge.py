@@ -1,0 +1,718 @@
+"""Merging: fold every committed partial into the merged tables of its groups, at commit time.
+
+A partial is one (model, checkpoint, source, shard) run's sums.  Its groups are its source (that
+source's shards merged) and 'all' (every partial of the checkpoint).  `commit` publishes partials
+together with the new merged files of every group they touch, in one manifest write, so the views
+(which read only merged tables) answer in the same time whether a checkpoint has 1 partial or 100,
+and always see all of a commit or none of it.
+
+Folding partial p into a group (float64 throughout; S = the group's merged Σû of one token type
+or layer):
+
+    sum_sq' = sum_sq + sum_sq_p + 2⟨S, s_p⟩,    S' = S + s_p,    n' = n + n_p
+
+which is the pairwise definition Σ_p sum_sq_p + 2 Σ_{p<q} ⟨s_p, s_q⟩, computed once.  Replacing a
+partial (a re-run of its key) first un-folds the old one — S' = S − s_r, sum_sq' = sum_sq −
+sum_sq_r − 2⟨S', s_r⟩, n' = n − n_r — so nothing is ever counted twice.
+
+Cost of one commit, per touched group (the partial's source and 'all'): token rows stream in chunks
+of token ids (memory O(chunk_rows · d) whatever V, L and the number of partials are); the group's
+merged vectors and the partial are read once and the new merged files written once: time and I/O
+O((rows of the merged state + rows of the partial) · d), independent of how many partials came
+before.  Moments fold one layer at a time (memory O(d²)), the bottom-k sample one layer at a time
+(O(k·d)).  Replacing a partial re-merges its groups' samples from their partials (a bottom-k sample
+cannot be un-merged); everything else un-folds.
+
+Storage per group: token_stats ~12–20 B per (layer, token type) compressed; token_vectors 8·d B per
+(layer, token type) and moments_merged 16·d² B per layer until `compact` drops them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from common import faults
+from common.errors import UserError
+
+from . import schema, store
+from .measures import (covariance, cross_covariance, linearity_from_cov, similarities_from_cov, twonn_microscope,
+                       twonn_skdim)
+
+ALL = "all"
+CHUNK_BYTES = 8 << 20  # float64 rows of one token chunk per stream
+STATS_ROWS = 1 << 20  # token_stats rows per row group
+_MASK = (1 << 32) - 1
+
+
+def group_key(model: str, checkpoint: str, group: str) -> str:
+    return store.entry_key("merged", model, checkpoint, group)
+
+
+def _in_group(entry: dict, group: str) -> bool:
+    return group == ALL or entry["source"] == group
+
+
+def _data_by_pair(manifest: dict) -> dict[tuple[str, str], list[dict]]:
+    out = defaultdict(list)
+    for e in manifest["entries"].values():
+        if e["kind"] == "data":
+            out[(e["model"], e["checkpoint"])].append(e)
+    return out
+
+
+def _inputs(entries: Iterable[dict]) -> list[str]:
+    return sorted(e["run_id"] + ":" + e["key"] for e in entries)
+
+
+def is_compacted(manifest: dict, model: str, checkpoint: str) -> bool:
+    return bool(manifest["entries"].get(group_key(model, checkpoint, ALL), {}).get("compacted"))
+
+
+def check_open(manifest: dict, model: str, checkpoint: str) -> None:
+    """A compacted checkpoint takes no new partial: its per-token vectors are gone."""
+    if is_compacted(manifest, model, checkpoint):
+        raise UserError(
+            f"{model}@{checkpoint} was compacted (its per-token vectors were dropped), so a new or re-run "
+            f"partial cannot be merged exactly; extract into another --warehouse")
+
+
+# ---------------------------------------------------------------- streaming sorted token tables
+
+
+def _keys(table) -> np.ndarray:
+    layer = table.column("layer").to_numpy().astype(np.int64)
+    return (layer << 32) | table.column("token_id").to_numpy().astype(np.int64)
+
+
+class _Sorted:
+    """Rows of a Parquet file sorted by (layer, token_id), handed out by key ranges; reads
+    `batch_rows` rows at a time (memory bounded whatever the file's size)."""
+
+    def __init__(self, path: Path, columns: list[str], batch_rows: int):
+        self._file = pq.ParquetFile(path)
+        self._batches = self._file.iter_batches(batch_size=batch_rows, columns=columns)
+        self._buf: pa.Table | None = None
+        self._keys = np.empty(0, np.int64)
+        self._fill()
+
+    def _fill(self) -> None:
+        while not len(self._keys):
+            batch = next(self._batches, None)
+            if batch is None:
+                self._buf = None
+                return
+            if batch.num_rows:
+                self._buf = pa.Table.from_batches([batch])
+                self._keys = _keys(self._buf)
+
+    def peek(self) -> int | None:
+        return int(self._keys[0]) if len(self._keys) else None
+
+    def take(self, hi: int) -> pa.Table | None:
+        """The next rows whose key is < hi."""
+        parts = []
+        while len(self._keys):
+            j = int(np.searchsorted(self._keys, hi))
+            if j == 0:
+                break
+            parts.append(self._buf.slice(0, j))
+            if j < len(self._keys):
+                self._buf, self._keys = self._buf.slice(j), self._keys[j:]
+                break
+            self._keys = self._keys[:0]
+            self._fill()
+        return pa.concat_tables(parts) if parts else None
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _matrix(table: pa.Table, d: int) -> np.ndarray:
+    """The `vec` column as a float64 (rows, d) array."""
+    flat = table.column("vec").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    if len(flat) != table.num_rows * d:
+        raise UserError(f"a vector table holds vectors of {len(flat) // max(table.num_rows, 1)} values, "
+                        f"the warehouse's hidden size is {d}")
+    return flat.astype(np.float64, copy=False).reshape(table.num_rows, d)
+
+
+def _list_array(M: np.ndarray) -> pa.ListArray:
+    m, d = M.shape
+    return pa.ListArray.from_arrays(pa.array(np.arange(0, (m + 1) * d, d, dtype=np.int64).astype(np.int32)),
+                                    pa.array(M.reshape(-1)))
+
+
+def _rowdot(A: np.ndarray, B: np.ndarray) -> np.ndarray:
+    return np.einsum("ij,ij->i", A, B)
+
+
+class _TypeStats:
+    """Per layer: types with ‖S_t‖ > 0 and Σ_t S_t/‖S_t‖, and per frequency bucket ⌊log₂ n_t⌋ the
+    types, Σ n_t and Σ S_t — everything the views need from the merged vectors, gathered while
+    they stream past."""
+
+    def __init__(self, d: int):
+        self.d = d
+        self.types: dict[int, int] = defaultdict(int)
+        self.unit: dict[int, np.ndarray] = {}
+        self.buckets: dict[tuple[int, int], list] = {}
+
+    def add(self, layer: int, n: np.ndarray, S: np.ndarray) -> None:
+        norms = np.sqrt(_rowdot(S, S))
+        nz = norms > 0
+        self.types[layer] += int(nz.sum())
+        unit = self.unit.setdefault(layer, np.zeros(self.d))
+        unit += (S[nz] / norms[nz, None]).sum(0)
+        bucket = np.frexp(n.astype(np.float64))[1] - 1  # ⌊log₂ n⌋, exact for n < 2⁵³
+        for b in np.unique(bucket):
+            sel = bucket == b
+            acc = self.buckets.setdefault((layer, int(b)), [0, 0, np.zeros(self.d)])
+            acc[0] += int(sel.sum())
+            acc[1] += int(n[sel].sum())
+            acc[2] += S[sel].sum(0)
+
+
+def _fold_tokens(root: Path, key: dict, old: dict | None, adds: list[dict], removes: list[dict], d: int,
+                 writers: dict) -> _TypeStats:
+    """Stream the group's merged token state, the partials to remove and the partials to add, chunk
+    by chunk of token ids, into new token_stats / token_vectors files; returns the type statistics."""
+    chunk_rows = max(64, CHUNK_BYTES // (8 * d))
+    streams: list[_Sorted] = []
+    try:
+        old_stats = old_vecs = None
+        if old is not None:
+            old_stats = _Sorted(root / old["files"]["token_stats"], ["layer", "token_id", "n", "sum_sq"], chunk_rows)
+            old_vecs = _Sorted(root / old["files"]["token_vectors"], ["layer", "token_id", "vec"], chunk_rows)
+            streams += [old_stats, old_vecs]
+        cols = ["layer", "token_id", "n", "sum_sq", "vec"]
+        rms = [_Sorted(root / e["files"]["token_sums"], cols, chunk_rows) for e in removes]
+        ads = [_Sorted(root / e["files"]["token_sums"], cols, chunk_rows) for e in adds]
+        streams += rms + ads
+        stats = _TypeStats(d)
+        pending: dict[str, list] = defaultdict(list)
+        pending_rows = 0
+
+        def flush_stats():
+            nonlocal pending_rows
+            if pending_rows:
+                writers["token_stats"].write({k: np.concatenate(v) for k, v in pending.items()} | {
+                    k: [val] * pending_rows for k, val in key.items()})
+                pending.clear()
+                pending_rows = 0
+
+        while True:
+            heads = [k for k in (s.peek() for s in streams) if k is not None]
+            if not heads:
+                break
+            start = min(heads)
+            layer, lo = start >> 32, start & _MASK
+            hi = (layer << 32) + min(lo + chunk_rows, 1 << 32)
+            o_stats = old_stats.take(hi) if old_stats else None
+            o_vecs = old_vecs.take(hi) if old_vecs else None
+            r_parts = [s.take(hi) for s in rms]
+            a_parts = [s.take(hi) for s in ads]
+            present = [t for t in [o_stats, *r_parts, *a_parts] if t is not None]
+            ids = np.unique(np.concatenate([t.column("token_id").to_numpy() for t in present]))
+            m = len(ids)
+            S = np.zeros((m, d))  # (m, d) merged Σû
+            n = np.zeros(m, np.int64)
+            sq = np.zeros(m)
+            if o_stats is not None:
+                pos = np.searchsorted(ids, o_stats.column("token_id").to_numpy())
+                if o_vecs is None or o_vecs.num_rows != o_stats.num_rows:
+                    raise UserError(f"{old['files']['token_vectors']}: merged vectors do not match token_stats "
+                                    "(run `python cli.py validate --fix`)")
+                S[pos] = _matrix(o_vecs, d)
+                n[pos] = o_stats.column("n").to_numpy()
+                sq[pos] = o_stats.column("sum_sq").to_numpy()
+            for t in r_parts:  # un-fold: S' = S − s_r; sum_sq' = sum_sq − sum_sq_r − 2⟨S', s_r⟩
+                if t is None:
+                    continue
+                pos = np.searchsorted(ids, t.column("token_id").to_numpy())
+                v = _matrix(t, d)
+                S[pos] -= v
+                sq[pos] -= t.column("sum_sq").to_numpy() + 2 * _rowdot(S[pos], v)
+                n[pos] -= t.column("n").to_numpy()
+            for t in a_parts:  # fold: sum_sq' = sum_sq + sum_sq_p + 2⟨S, s_p⟩; S' = S + s_p
+                if t is None:
+                    continue
+                pos = np.searchsorted(ids, t.column("token_id").to_numpy())
+                v = _matrix(t, d)
+                sq[pos] += t.column("sum_sq").to_numpy() + 2 * _rowdot(S[pos], v)
+                S[pos] += v
+                n[pos] += t.column("n").to_numpy()
+            if (n < 0).any():
+                raise UserError("merged counts went negative while un-merging a replaced partial: the merged "
+                                "tables do not match their partials (run `python cli.py validate --fix`)")
+            keep = n > 0
+            ids, n, sq, S = ids[keep], n[keep], sq[keep], S[keep]
+            if not len(ids):
+                continue
+            lay = np.full(len(ids), layer, np.int16)
+            writers["token_vectors"].write({k: [v] * len(ids) for k, v in key.items()} | {
+                "layer": lay, "token_id": ids.astype(np.int32), "vec": _list_array(S)})
+            for k, v in (("layer", lay), ("token_id", ids.astype(np.int32)), ("n", n), ("sum_sq", sq)):
+                pending[k].append(v)
+            pending_rows += len(ids)
+            if pending_rows >= STATS_ROWS:
+                flush_stats()
+            stats.add(int(layer), n, S)
+        flush_stats()
+        return stats
+    finally:
+        for s in streams:
+            s.close()
+
+
+# ---------------------------------------------------------------- layer totals
+
+
+_LAYER_INTS = ("n", "n_nonfinite", "n_zero", "windows")
+_LAYER_VECS = ("sum_h", "sum_u2")
+
+
+def _fold_layers(root: Path, old: dict | None, adds: list[dict], removes: list[dict]) -> dict[int, dict]:
+    """layer_totals of the group: the old ones, minus the removed partials' layer_sums, plus the added."""
+    state: dict[int, dict] = {}
+    if old is not None:
+        for r in pq.read_table(root / old["files"]["layer_totals"]).to_pylist():
+            state[r["layer"]] = {**r, "vec": np.asarray(r["vec"]), **{k: np.asarray(r[k]) for k in _LAYER_VECS}}
+    for sign, entries in ((-1, removes), (1, adds)):
+        for e in entries:
+            for r in pq.read_table(root / e["files"]["layer_sums"]).to_pylist():
+                v = np.asarray(r["vec"])
+                st = state.get(r["layer"])
+                if st is None:
+                    st = state[r["layer"]] = {
+                        "layer": r["layer"], "layer_kind": r["layer_kind"], "n_layers": r["n_layers"],
+                        "sum_sq": 0.0, "window_cos": 0.0, "vec": np.zeros_like(v),
+                        **{k: 0 for k in _LAYER_INTS}, **{k: np.zeros_like(v) for k in _LAYER_VECS}}
+                if sign < 0:
+                    st["vec"] = st["vec"] - v
+                    st["sum_sq"] -= r["sum_sq"] + 2 * float(st["vec"] @ v)
+                else:
+                    st["sum_sq"] += r["sum_sq"] + 2 * float(st["vec"] @ v)
+                    st["vec"] = st["vec"] + v
+                for k in _LAYER_INTS:
+                    st[k] += sign * r[k]
+                st["window_cos"] += sign * r["window_cos"]
+                for k in _LAYER_VECS:
+                    st[k] = st[k] + sign * np.asarray(r[k])
+    return state
+
+
+# ---------------------------------------------------------------- moments and samples
+
+
+def _read_layer(path: Path, layer: int, columns=None) -> pa.Table:
+    return pq.read_table(path, columns=columns, filters=[("layer", "=", layer)])
+
+
+def _moment_sum(rows: Iterable[dict]) -> dict | None:
+    m = None
+    for r in rows:
+        if m is None:
+            m = {"n": 0, "s1": 0.0, "s2": 0.0, "n_pair": None, "s_cross": None}
+        m["n"] += r["n"]
+        m["s1"] = m["s1"] + r["s1"]
+        m["s2"] = m["s2"] + r["s2"]
+        if r["s_cross"] is not None:
+            m["n_pair"] = (m["n_pair"] or 0) + r["n_pair"]
+            m["s_cross"] = (0.0 if m["s_cross"] is None else m["s_cross"]) + r["s_cross"]
+    return m
+
+
+def _moment_rows(table: pa.Table) -> Iterator[dict]:
+    """Rows of a moments table with the d×d lists as numpy arrays (no Python floats)."""
+    for i in range(table.num_rows):
+        row = table.slice(i, 1)
+        vec = lambda c: (None if row.column(c).null_count else  # noqa: E731
+                         row.column(c).combine_chunks().flatten().to_numpy(zero_copy_only=False))
+        yield {"n": row.column("n")[0].as_py(), "n_pair": row.column("n_pair")[0].as_py(),
+               "s1": vec("s1"), "s2": vec("s2"), "s_cross": vec("s_cross")}
+
+
+def _moments_layer(root: Path, layer: int, old: dict | None, adds: list[dict], removes: list[dict]
+                   ) -> dict | None:
+    rows = lambda es, t: [r for e in es for r in _moment_rows(_read_layer(root / e["files"][t], layer))]  # noqa: E731
+    base = _moment_sum(rows([old], "moments_merged")) if old is not None else None
+    plus = _moment_sum(rows(adds, "moments"))
+    minus = _moment_sum(rows(removes, "moments"))
+    if base is None and plus is None:
+        return None
+    out = {"n": 0, "s1": 0.0, "s2": 0.0, "n_pair": None, "s_cross": None}
+    for sign, m in ((1, base), (1, plus), (-1, minus)):
+        if m is None:
+            continue
+        out["n"] += sign * m["n"]
+        out["s1"] = out["s1"] + sign * m["s1"]
+        out["s2"] = out["s2"] + sign * m["s2"]
+        if m["s_cross"] is not None:
+            out["n_pair"] = (out["n_pair"] or 0) + sign * m["n_pair"]
+            out["s_cross"] = (0.0 if out["s_cross"] is None else out["s_cross"]) + sign * m["s_cross"]
+    return out
+
+
+def _sample_layer(root: Path, layer: int, sources: list[tuple[dict, str]], k: int) -> pa.Table | None:
+    """The bottom-k (by key) of the union of the given samples at one layer."""
+    cols = ["key", "document", "position", "token_id", "vec"]
+    parts = [_read_layer(root / e["files"][t], layer, cols) for e, t in sources]
+    parts = [p for p in parts if p.num_rows]
+    if not parts:
+        return None
+    t = pa.concat_tables(parts)
+    order = np.argsort(t.column("key").to_numpy(), kind="stable")[:k]
+    return t.take(pa.array(order))
+
+
+# ---------------------------------------------------------------- one group
+
+
+class _Writers:
+    """The group's output files, aborted together unless all close."""
+
+    def __init__(self, root: Path, key: dict, run_id: str):
+        self.root, self.key, self.run_id = root, key, run_id
+        self.open: dict[str, store.TableWriter] = {}
+        self.files: dict[str, str] = {}
+
+    def __getitem__(self, table: str) -> store.TableWriter:
+        if table not in self.open:
+            values = {k: self.key[k] for k in schema.MERGED_PARTITIONS}
+            self.open[table] = store.TableWriter(self.root, table, values, self.run_id)
+        return self.open[table]
+
+    def rows(self, table: str, cols: dict) -> None:
+        n = len(next(iter(cols.values())))
+        self[table].write({k: [v] * n for k, v in self.key.items()} | cols)
+
+    def close(self) -> dict[str, str]:
+        for table, w in self.open.items():
+            self.files[table] = w.close()
+        return self.files
+
+    def abort(self) -> None:
+        for w in self.open.values():
+            w.abort()
+        for rel in self.files.values():
+            with contextlib.suppress(FileNotFoundError):
+                (self.root / rel).unlink()
+
+
+def fold_group(root: Path, model: str, checkpoint: str, group: str, old: dict | None, adds: list[dict],
+               removes: list[dict], members: list[dict]) -> dict:
+    """Write the merged files of one group after removing `removes` and adding `adds` to the state of
+    its merged entry `old` (None: from nothing), and return the new merged entry.  `members` are the
+    group's data entries afterwards."""
+    root = Path(root)
+    step, d = members[0]["step"], members[0]["hidden_size"]
+    key = {"model": model, "checkpoint": checkpoint, "step": step, "source": group}
+    out = _Writers(root, key, store.new_run_id())
+    try:
+        types = _fold_tokens(root, key, old, adds, removes, d, out)
+        layers = _fold_layers(root, old, adds, removes)
+        if layers:
+            cols = [f.name for f in schema.LAYER_TOTALS if f.name not in key]
+            out.rows("layer_totals", {c: [(layers[l][c].tolist() if isinstance(layers[l][c], np.ndarray)
+                                           else layers[l][c]) for l in sorted(layers)] for c in cols})
+        buckets = sorted(types.buckets.items())
+        if buckets:
+            out.rows("frequency_buckets", {
+                "layer": [l for (l, _), _ in buckets], "bucket": [b for (_, b), _ in buckets],
+                "types": [v[0] for _, v in buckets], "n": [v[1] for _, v in buckets],
+                "sum_sq": [float(v[2] @ v[2]) for _, v in buckets]})
+        n_layers = max((r["n_layers"] for r in layers.values()), default=0)
+        derived = _fold_derived(root, old, adds, removes, members, n_layers, out)
+        metrics = defaultdict(list)
+        for layer in sorted(set(layers) | set(derived["n"])):
+            metrics["layer"].append(layer)
+            metrics["n"].append(int(derived["n"].get(layer, layers[layer]["n"] if layer in layers else 0)))
+            lin = derived["linearity"].get(layer, (None,) * 4)
+            for c, v in zip(("linearity", "linearity_centered", "cka", "procrustes_orthogonal"), lin):
+                metrics[c].append(v)
+            tw = derived["twonn"].get(layer, (None,) * 3)
+            for c, v in zip(("sample_size", "twonn", "twonn_skdim"), tw):
+                metrics[c].append(v)
+            unit = types.unit.get(layer)
+            metrics["types"].append(types.types.get(layer) if unit is not None else None)
+            metrics["types_sum_sq"].append(float(unit @ unit) if unit is not None else None)
+        if metrics:
+            out.rows("layer_metrics", dict(metrics))
+        files = out.close()
+    except BaseException:
+        out.abort()
+        raise
+    return {
+        "key": group_key(model, checkpoint, group), "kind": "merged", "model": model, "checkpoint": checkpoint,
+        "step": step, "source": group, "shard": None, "run_id": out.run_id,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hidden_size": d, "files": files,
+        "inputs": _inputs(members), "stats": {"partials": len(members)},
+        "settings": {"sample": derived["sample_k"]}, "provenance": {},
+    }
+
+
+def _fold_derived(root: Path, old: dict | None, adds: list[dict], removes: list[dict], members: list[dict],
+                  n_layers: int, out: _Writers) -> dict:
+    """Merged moments and sample, and what the peers' measures make of them, layer by layer."""
+    res = {"n": {}, "linearity": {}, "twonn": {}, "sample_k": None}
+    # moments: incremental when the old state holds them and nothing is removed; else from the members
+    if all("moments" in e["files"] for e in members):
+        if old is not None and "moments_merged" in old["files"] and not removes:
+            m_old, m_adds, m_rm = old, adds, []
+        else:
+            m_old, m_adds, m_rm = None, members, []
+        prev = None  # (layer, merged moments, covariance) of the layer before
+        for layer in range(n_layers):
+            m = _moments_layer(root, layer, m_old, m_adds, m_rm)
+            if m is None:
+                prev = None
+                continue
+            last = m["s_cross"] is None
+            out.rows("moments_merged", {"layer": [layer], "n": [m["n"]], "s1": [m["s1"]],
+                                        "s2": [m["s2"]], "n_pair": [None if last else m["n_pair"]],
+                                        "s_cross": [None if last else m["s_cross"]]})
+            res["n"][layer] = m["n"]
+            C = None
+            if m["n"] >= 2:
+                d = len(m["s1"])
+                C = covariance(m["n"], m["s1"], m["s2"].reshape(d, d))
+                evals = np.linalg.eigvalsh(C)[::-1]
+                out.rows("spectrum", {"layer": [layer] * d, "n": [m["n"]] * d, "k": list(range(1, d + 1)),
+                                      "eigenvalue": evals.tolist()})
+                out.rows("dim_variance", {"layer": [layer] * d, "dim": list(range(d)),
+                                          "mean": (m["s1"] / m["n"]).tolist(), "variance": np.diag(C).tolist()})
+            if prev is not None and C is not None:
+                pl, pm, pc = prev
+                if (pl == layer - 1 and pm["s_cross"] is not None and pm["n_pair"] == pm["n"] == m["n"]
+                        and pc is not None):  # exact only when both layers counted the same tokens
+                    d = len(m["s1"])
+                    cxy = cross_covariance(m["n"], pm["s1"], m["s1"], pm["s_cross"].reshape(d, d))
+                    c_dd = C - cxy - cxy.T + pc  # Y − X
+                    c_xd = cxy - pc
+                    res["linearity"][pl] = (linearity_from_cov(pc, C, cxy), linearity_from_cov(pc, c_dd, c_xd),
+                                            *similarities_from_cov(pc, C, cxy))
+            prev = (layer, m, C)
+    # bottom-k sample: merged with the new partials' samples, or re-merged from the members
+    ks = {e["settings"].get("sample") or 0 for e in members}
+    k = min(ks) if ks else 0
+    if k and all("samples" in e["files"] for e in members):
+        res["sample_k"] = k
+        if (old is not None and "samples_merged" in old["files"] and not removes
+                and old.get("settings", {}).get("sample") == k):
+            sources = [(old, "samples_merged")] + [(e, "samples") for e in adds]
+        else:
+            sources = [(e, "samples") for e in members]
+        for layer in range(n_layers):
+            t = _sample_layer(root, layer, sources, k)
+            if t is None:
+                continue
+            out.rows("samples_merged", {"layer": np.full(t.num_rows, layer, np.int16),
+                                        **{c: t.column(c) for c in t.column_names}})
+            X = np.asarray(t.column("vec").to_pylist(), dtype=np.float64)
+            X = X[np.isfinite(X).all(1)]
+            if len(X) >= 10:
+                res["twonn"][layer] = (len(X), twonn_microscope(X), twonn_skdim(X))
+    return res
+
+
+# ---------------------------------------------------------------- commit, rebuild, compact
+
+
+def fold(root: Path, manifest: dict, data: list[dict]) -> list[dict]:
+    """New merged entries for every group the data entries `data` touch (they may replace entries of
+    the same key in `manifest`); their files are written, not yet committed."""
+    by_pair = defaultdict(list)
+    for e in data:
+        by_pair[(e["model"], e["checkpoint"])].append(e)
+    current_all = _data_by_pair(manifest)
+    out: list[dict] = []
+    try:
+        for (model, checkpoint), new in sorted(by_pair.items()):
+            check_open(manifest, model, checkpoint)
+            current = {e["key"]: e for e in current_all.get((model, checkpoint), [])}
+            replaced = [current[e["key"]] for e in new if e["key"] in current]
+            after = {**current, **{e["key"]: e for e in new}}
+            for group in sorted({e["source"] for e in new}) + [ALL]:
+                inside = [e for e in after.values() if _in_group(e, group)]
+                out.append(fold_group(root, model, checkpoint, group,
+                                      manifest["entries"].get(group_key(model, checkpoint, group)),
+                                      [e for e in new if _in_group(e, group)],
+                                      [e for e in replaced if _in_group(e, group)], inside))
+    except BaseException:
+        discard(root, out)
+        raise
+    return out
+
+
+def discard(root: Path, entries: list[dict]) -> None:
+    for e in entries:
+        for rel in e["files"].values():
+            with contextlib.suppress(FileNotFoundError):
+                (Path(root) / rel).unlink()
+
+
+def commit(root: Path, entries: list[dict]) -> list[str]:
+    """Publish params and data entries together with the merged entries of every group they touch,
+    in one atomic manifest write; returns the files no entry lists any more (deleted)."""
+    root = Path(root)
+    with store.locked(root):
+        manifest = store.read_manifest(root)
+        for e in entries:
+            store.check_compatible(manifest, e["model"], e["hidden_size"])
+        merged = fold(root, manifest, [e for e in entries if e["kind"] == "data"])
+        try:
+            faults.hit("merge")  # merged files written, manifest not yet replaced
+        except BaseException:
+            discard(root, merged)
+            raise
+        return store.commit_locked(root, manifest, entries + merged)
+
+
+def expected_groups(manifest: dict) -> dict[str, tuple[str, str, str, list[dict]]]:
+    """Merged entry key → (model, checkpoint, group, member data entries) the data calls for."""
+    out = {}
+    for (model, checkpoint), entries in _data_by_pair(manifest).items():
+        for group in sorted({e["source"] for e in entries}) + [ALL]:
+            out[group_key(model, checkpoint, group)] = (model, checkpoint, group,
+                                                        [e for e in entries if _in_group(e, group)])
+    return out
+
+
+def stale_groups(manifest: dict) -> tuple[list[str], list[str]]:
+    """(merged keys missing or folded from other partials than the manifest lists, merged keys left over)."""
+    want = expected_groups(manifest)
+    have = {k: e for k, e in manifest["entries"].items() if e["kind"] == "merged"}
+    stale = [k for k, (*_, members) in want.items() if have.get(k, {}).get("inputs") != _inputs(members)]
+    return stale, [k for k in have if k not in want]
+
+
+def rebuild(root: Path, keys: list[str] | None = None) -> int:
+    """Re-merge the given groups (default: every stale one) from their partials and commit them;
+    returns how many were rebuilt.  Compacted checkpoints cannot be rebuilt (their vectors are gone)."""
+    root = Path(root)
+    with store.locked(root):
+        manifest = store.read_manifest(root)
+        stale, extra = stale_groups(manifest)
+        want = expected_groups(manifest)
+        keys = [k for k in (stale if keys is None else keys) if k in want]
+        new: list[dict] = []
+        try:
+            for k in keys:
+                model, checkpoint, group, members = want[k]
+                if any(e.get("compacted") for e in members):
+                    raise UserError(f"{model}@{checkpoint}: compacted, its merged tables cannot be rebuilt")
+                new.append(fold_group(root, model, checkpoint, group, None, members, [], members))
+            faults.hit("merge")
+        except BaseException:
+            discard(root, new)
+            raise
+        if new or extra:
+            store.commit_locked(root, manifest, new, remove=extra)
+    return len(new)
+
+
+def _table(root: Path, rel: str | None, columns: list[str]) -> pa.Table | None:
+    return pq.read_table(root / rel, columns=columns) if rel else None
+
+
+def check(root: Path, manifest: dict, rtol: float = 1e-9) -> list[tuple[str, str]]:
+    """(merged key, problem) for groups that are stale or left over, or whose token_stats /
+    layer_totals differ from a fresh merge of their partials (sum_sq by more than rtol relative);
+    compacted groups: layer counts against the partials' layer_sums."""
+    root = Path(root)
+    stale, extra = stale_groups(manifest)
+    problems = [(k, f"merged tables of {k} are out of date (--fix re-merges them)") for k in stale]
+    problems += [(k, f"merged entry {k} has no partials left (--fix removes it)") for k in extra]
+    with tempfile.TemporaryDirectory(prefix="iso-check-") as tmp:
+        for k, (model, checkpoint, group, members) in expected_groups(manifest).items():
+            if k in stale:
+                continue
+            have = manifest["entries"][k]
+            if have.get("compacted") or any(e.get("compacted") for e in members):
+                want_n = defaultdict(int)
+                for e in members:
+                    for r in pq.read_table(root / e["files"]["layer_sums"], columns=["layer", "n"]).to_pylist():
+                        want_n[r["layer"]] += r["n"]
+                got = {r["layer"]: r["n"] for r in _table(root, have["files"].get("layer_totals"),
+                                                             ["layer", "n"]).to_pylist()}
+                if got != dict(want_n):
+                    problems.append((k, f"{k}: layer counts {got} differ from its partials' {dict(want_n)}"))
+                continue
+            members = _relocated(members, root)
+            fresh = fold_group(Path(tmp), model, checkpoint, group, None, members, [], members)
+            for table, cols in (("token_stats", ["layer", "token_id", "n", "sum_sq"]),
+                                ("layer_totals", ["layer", "n", "sum_sq"])):
+                a = _table(root, have["files"].get(table), cols)
+                b = _table(Path(tmp), fresh["files"].get(table), cols)
+                same = (a is None) == (b is None)
+                if same and a is not None:
+                    same = a.num_rows == b.num_rows and all(
+                        np.array_equal(a.column(c).to_numpy(), b.column(c).to_numpy()) for c in cols[:-1])
+                if same and a is not None:
+                    x, y = a.column("sum_sq").to_numpy(), b.column("sum_sq").to_numpy()
+                    same = bool(np.all(np.abs(x - y) <= rtol * np.maximum(np.abs(y), 1.0)))
+                if not same:
+                    problems.append((k, f"{k}: {table} differs from a fresh merge of its partials (--fix re-merges)"))
+            discard(Path(tmp), [fresh])
+    return problems
+
+
+def _relocated(entries: list[dict], root: Path) -> list[dict]:
+    """The entries with their files as absolute paths, so a fold can write under another root."""
+    return [{**e, "files": {t: str(Path(root).resolve() / rel) for t, rel in e["files"].items()}} for e in entries]
+
+
+def compact(root: Path, model: str | None = None, checkpoint: str | None = None) -> dict:
+    """Drop the per-partial vectors (token_sums, moments, samples) and the merge state (token_vectors,
+    moments_merged, samples_merged) of the matching checkpoints, keeping every table a view reads.
+    Afterwards the checkpoint is final: a new partial of it is refused.  Returns bytes before/after."""
+    root = Path(root)
+    drop_data = ("token_sums", "moments", "samples")
+    with store.locked(root):
+        manifest = store.read_manifest(root)
+        stale, extra = stale_groups(manifest)
+        pairs = sorted(p for p in _data_by_pair(manifest)
+                       if (model is None or p[0] == model) and (checkpoint is None or p[1] == checkpoint))
+        if not pairs:
+            raise UserError(f"no extracted checkpoint matches model={model!r} checkpoint={checkpoint!r}")
+        want = expected_groups(manifest)
+        if any((want[k][0], want[k][1]) in pairs for k in stale):
+            raise UserError("merged tables are out of date; run `python cli.py validate --fix` before compacting")
+        before = _token_bytes(root, manifest, pairs)
+        updated = []
+        for e in manifest["entries"].values():
+            if (e["model"], e["checkpoint"]) not in pairs or e["kind"] not in ("data", "merged"):
+                continue
+            drop = drop_data if e["kind"] == "data" else schema.STATE_TABLES
+            updated.append({**e, "files": {t: f for t, f in e["files"].items() if t not in drop}, "compacted": True})
+        faults.hit("compact")
+        store.commit_locked(root, manifest, updated)
+        after = _token_bytes(root, store.read_manifest(root), pairs)
+    return {"checkpoints": len(pairs), "before": before, "after": after}
+
+
+def _token_bytes(root: Path, manifest: dict, pairs: list[tuple[str, str]]) -> dict:
+    """Bytes of the token-level files of `pairs` and the (layer, token type) cells they cover."""
+    total, cells = 0, 0
+    for e in manifest["entries"].values():
+        if (e["model"], e["checkpoint"]) not in pairs:
+            continue
+        for t in ("token_sums", "token_stats", "token_vectors"):
+            if t in e["files"]:
+                total += (root / e["files"][t]).stat().st_size
+        if e["kind"] == "merged" and e["source"] == ALL:
+            cells += pq.ParquetFile(root / e["files"]["token_stats"]).metadata.num_rows
+    return {"bytes": total, "cells": cells, "bytes_per_cell": total / cells if cells else None}
+
+
+def iter_pairs(manifest: dict) -> Iterator[tuple[str, str]]:
+    yield from sorted(_data_by_pair(manifest))
