@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import run_script  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 128_256
@@ -67,23 +69,14 @@ def text(path: Path, tokens: int, zipf: bool) -> Path:
 
 def run(model: Path, source: Path, wh: Path, *extra: str) -> tuple[float, float, dict]:
     """(seconds, peak RSS in GB, the data entry's stats) of one extract in a child process."""
-    # The child's own high-water mark: VmHWM belongs to the process's memory map, which exec
-    # replaces; ru_maxrss would also carry the parent's RSS at fork time across the exec (Linux).
-    code = ("import runpy, sys; sys.argv = sys.argv[1:]; "
-            "exec(\"try:\\n runpy.run_path(sys.argv[0], run_name='__main__')\\nfinally:\\n "
-            "print('RSS', [l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM')][0], "
-            "file=sys.stderr)\")")
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "cli.py"), "extract", "--model", str(model),
-                        "--source", f"s={source}", "--warehouse", str(wh), "--device", "cpu",
-                        "--max-length", "512", "--vector-dtype", "float64", *extra], capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    rss = [int(line.split()[1]) for line in r.stderr.splitlines() if line.startswith("RSS ")]
-    if r.returncode or not rss:
+    seconds, gb, r = run_script(ROOT / "cli.py", "extract", "--model", str(model), "--source", f"s={source}",
+                                "--warehouse", str(wh), "--device", "cpu", "--max-length", "512",
+                                "--vector-dtype", "float64", *extra)
+    if r.returncode or gb != gb:
         sys.exit(f"extract failed:\n{r.stderr[-2000:]}")
     manifest = json.loads((wh / "manifest.json").read_text())
     stats = next(e["stats"] for e in manifest["entries"].values() if e["kind"] == "data")
-    return seconds, rss[0] * 1024 / 1e9, stats
+    return seconds, gb, stats
 
 
 def sums(wh: Path) -> dict:

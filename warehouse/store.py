@@ -83,7 +83,7 @@ class TableWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.path.with_name(f".{self.path.name}.tmp")
         self.schema = arrow_schema or schema.TABLES[table]
-        self._writer = pq.ParquetWriter(self.tmp, self.schema, compression="zstd")
+        self._writer = pq.ParquetWriter(self.tmp, self.schema, **schema.write_options(table, self.schema))
 
     def write(self, columns: dict) -> None:
         self._writer.write_table(pa.table(columns, schema=self.schema))

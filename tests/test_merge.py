@@ -1,0 +1,326 @@
+"""Merge at commit (warehouse/merge.py): merged tables against the pairwise definition with 1, 2
+and 8 partials, after replacing a partial, after compaction; incremental = from scratch for the
+moments and samples; validate against tampering; kills during merge and compaction; layering."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from common.errors import UserError
+from conftest import ROOT, run_cli
+from warehouse import merge, store
+from warehouse.query import connect
+from warehouse.validate import validate
+
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_query import write_partial, write_vocab  # noqa: E402
+
+V, L, D = 300, 3, 16
+
+
+def _partial(root, rng, source, shard, step=None):
+    types = rng.choice(V, size=int(rng.integers(V // 3, V)), replace=False)  # overlapping sparse subsets
+    return write_partial(root, "m", "c", source, shard, L, V, D, rng, types=types, step=step, chunk=37)
+
+
+def oracle(root: Path, entries: list[dict]) -> dict:
+    """Per group: (layer, token) → (n, sum_sq) by the pairwise definition Σ_p sum_sq_p + 2 Σ_{p<q}
+    ⟨v_p, v_q⟩ over the stored vectors (float64), the merged Σû per (layer, token), and per layer
+    (n, sum_sq) from layer_sums the same way."""
+    out = {}
+    for group in sorted({e["source"] for e in entries}) + ["all"]:
+        members = [e for e in entries if group == "all" or e["source"] == group]
+        parts = defaultdict(list)
+        for e in members:
+            t = pq.read_table(root / e["files"]["token_sums"]).to_pylist()
+            for r in t:
+                parts[(r["layer"], r["token_id"])].append((r["n"], r["sum_sq"], np.asarray(r["vec"], np.float64)))
+        tokens, vecs = {}, {}
+        for k, ps in parts.items():
+            sq = sum(p[1] for p in ps) + 2 * sum(float(ps[i][2] @ ps[j][2]) for i in range(len(ps))
+                                                 for j in range(i + 1, len(ps)))
+            tokens[k] = (sum(p[0] for p in ps), sq)
+            vecs[k] = np.sum([p[2] for p in ps], axis=0)
+        layers = defaultdict(list)
+        for e in members:
+            for r in pq.read_table(root / e["files"]["layer_sums"]).to_pylist():
+                layers[r["layer"]].append((r["n"], r["sum_sq"], np.asarray(r["vec"])))
+        lay = {l: (sum(p[0] for p in ps), sum(p[1] for p in ps) + 2 * sum(
+            float(ps[i][2] @ ps[j][2]) for i in range(len(ps)) for j in range(i + 1, len(ps))))
+            for l, ps in layers.items()}
+        out[group] = {"tokens": tokens, "vecs": vecs, "layers": lay}
+    return out
+
+
+def close(a, b, rtol=1e-9):
+    return abs(a - b) <= rtol * max(abs(b), 1.0)
+
+
+def check_against(root: Path, want: dict) -> None:
+    con = connect(root)
+    for group, w in want.items():
+        got = {(r[0], r[1]): (r[2], r[3]) for r in con.execute(
+            "SELECT layer, token_id, n, sum_sq FROM token_stats WHERE source = ?", [group]).fetchall()}
+        assert set(got) == set(w["tokens"]), group
+        for k, (n, sq) in w["tokens"].items():
+            assert got[k][0] == n and close(got[k][1], sq), (group, k, got[k], (n, sq))
+        lay = {r[0]: (r[1], r[2]) for r in con.execute(
+            "SELECT layer, n, sum_sq FROM layer_norms WHERE source = ?", [group]).fetchall()}
+        assert set(lay) == set(w["layers"])
+        for l, (n, sq) in w["layers"].items():
+            assert lay[l][0] == n and close(lay[l][1], sq)
+        # frequency buckets and frequency-debiased Inter-Sim from the merged per-type vectors
+        buckets = defaultdict(lambda: [0, 0, np.zeros(D)])
+        unit = defaultdict(lambda: [0, np.zeros(D)])
+        for (l, t), (n, _) in w["tokens"].items():
+            S = w["vecs"][(l, t)]
+            b = buckets[(l, int(np.floor(np.log2(n))))]
+            b[0] += 1
+            b[1] += n
+            b[2] += S
+            unit[l][0] += 1
+            unit[l][1] += S / np.linalg.norm(S)
+        fb = {(r[0], r[1]): r[2:] for r in con.execute(
+            "SELECT layer, bucket, types, n, sum_sq FROM frequency_buckets WHERE source = ?", [group]).fetchall()}
+        assert set(fb) == set(buckets)
+        for k, (types, n, S) in buckets.items():
+            assert fb[k][0] == types and fb[k][1] == n and close(fb[k][2], float(S @ S))
+        ts = {r[0]: r[1:] for r in con.execute(
+            "SELECT layer, types, types_sum_sq FROM layer_metrics WHERE source = ?", [group]).fetchall()}
+        for l, (types, u) in unit.items():
+            assert ts[l][0] == types and close(ts[l][1], float(u @ u))
+    # the user-facing views read the merged tables
+    intra = {(r[0], r[1]): r[2] for r in con.execute("SELECT layer, token_id, intra_sim FROM intra_sim").fetchall()}
+    for k, (n, sq) in want["all"]["tokens"].items():
+        if n >= 2:
+            assert close(intra[k], (sq - n) / (n * n - n))
+    con.close()
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(merge, "CHUNK_BYTES", 64 * 8 * D)  # 64 token ids per chunk: several per layer
+
+
+@pytest.mark.parametrize("layout", [(1, 1), (1, 2), (4, 2)])
+def test_merged_equals_pairwise(tmp_path, small_chunks, layout):
+    sources, shards = layout
+    rng = np.random.default_rng(sum(layout))
+    root = tmp_path / "wh"
+    merge.commit(root, [write_vocab(root, "m", "c", V, D)])
+    entries = [_partial(root, rng, f"s{s}", f"{k + 1}-of-{shards}") for s in range(sources) for k in range(shards)]
+    half = max(1, len(entries) // 2)
+    for e in entries[:half]:  # one commit each, then the rest in one commit of several partials
+        merge.commit(root, [e])
+    if entries[half:]:
+        merge.commit(root, entries[half:])
+    manifest = store.read_manifest(root)
+    assert sum(e["kind"] == "merged" for e in manifest["entries"].values()) == sources + 1
+    check_against(root, oracle(root, entries))
+    assert validate(root) == []
+
+
+def test_replacing_a_partial_never_double_counts(tmp_path, small_chunks):
+    rng = np.random.default_rng(7)
+    root = tmp_path / "wh"
+    entries = [_partial(root, rng, f"s{s}", f"{k + 1}-of-2") for s in range(4) for k in range(2)]
+    for e in entries:
+        merge.commit(root, [e])
+    for i in (3, 3, 0):  # re-runs of the same keys with other content (the second time: twice in a row)
+        e = entries[i]
+        entries[i] = _partial(root, rng, e["source"], e["shard"])
+        merge.commit(root, [entries[i]])
+    manifest = store.read_manifest(root)
+    assert sum(e["kind"] == "data" for e in manifest["entries"].values()) == 8
+    check_against(root, oracle(root, entries))
+    assert validate(root) == []
+
+
+def test_validate_finds_a_wrong_merged_table_and_fixes_it(tmp_path):
+    rng = np.random.default_rng(3)
+    root = tmp_path / "wh"
+    entries = [_partial(root, rng, "s0", f"{k + 1}-of-2") for k in range(2)]
+    for e in entries:
+        merge.commit(root, [e])
+    manifest = store.read_manifest(root)
+    rel = manifest["entries"][merge.group_key("m", "c", "all")]["files"]["token_stats"]
+    t = pq.read_table(root / rel)
+    sq = t.column("sum_sq").to_numpy().copy()
+    sq[5] *= 1 + 1e-6
+    pq.write_table(t.set_column(t.schema.get_field_index("sum_sq"), "sum_sq", [sq]), root / rel)
+    problems = validate(root)
+    assert len(problems) == 1 and "token_stats differs from a fresh merge" in problems[0]
+    assert validate(root, fix=True) == []
+    check_against(root, oracle(root, entries))
+
+
+def _snapshot(root: Path) -> dict:
+    con = connect(root)
+    views = ["inter_sim", "inter_sim_by_source", "intra_sim", "avg_intra_sim", "inter_sim_by_frequency",
+             "inter_sim_types", "dim_contrib", "drift", "intra_sentence_sim", "anisotropy", "linearity",
+             "intrinsic_dim", "isoscore"]
+    out = {v: sorted(tuple(round(x, 12) if isinstance(x, float) else x for x in r)
+                     for r in con.execute(f"SELECT * FROM {v}").fetchall()) for v in views}
+    con.close()
+    return out
+
+
+def test_compaction_keeps_every_view_and_closes_the_checkpoint(tmp_path):
+    rng = np.random.default_rng(11)
+    root = tmp_path / "wh"
+    entries = [_partial(root, rng, f"s{s}", f"{k + 1}-of-2") for s in range(2) for k in range(2)]
+    merge.commit(root, [write_vocab(root, "m", "c", V, D)])
+    for e in entries:
+        merge.commit(root, [e])
+    before = _snapshot(root)
+    want = oracle(root, entries)
+    res = merge.compact(root)
+    assert res["after"]["bytes"] < res["before"]["bytes"] / 10
+    assert _snapshot(root) == before
+    manifest = store.read_manifest(root)
+    for e in manifest["entries"].values():
+        assert not {"token_sums", "token_vectors", "moments", "samples", "moments_merged", "samples_merged"} & set(e["files"])
+    assert not list((root / "tables" / "token_sums").rglob("*.parquet"))
+    assert not list((root / "tables" / "token_vectors").rglob("*.parquet"))
+    assert validate(root) == []
+    con = connect(root)
+    got = {(r[0], r[1]): r[2] for r in con.execute(
+        "SELECT layer, token_id, sum_sq FROM token_stats WHERE source = 'all'").fetchall()}
+    assert all(close(got[k], sq) for k, (_, sq) in want["all"]["tokens"].items())
+    with pytest.raises(UserError, match="was compacted"):  # a new shard: refused, nothing written
+        merge.commit(root, [_partial(root, rng, "s0", "1-of-3")])
+    with pytest.raises(UserError, match="was compacted"):  # a re-run of a compacted partial: refused
+        merge.commit(root, [_partial(root, rng, "s0", "1-of-2")])
+    assert _snapshot(root) == before
+    assert validate(root, fix=True) == [] and validate(root) == []  # the refused runs' files are orphans
+
+
+@pytest.fixture(scope="session")
+def moments_wh(workdir, sources, model_factory):
+    """Three commits of a tiny model with --moments --sample (alpha in 2 shards, then beta)."""
+    model = model_factory("gpt_neox", tied=False)
+    wh = workdir / "merge-moments"
+    common = ["--model", model, "--warehouse", wh, "--max-length", 32, "--moments", "--sample", 40]
+    for args in (["--source", f"alpha={sources['alpha']}", "--shard", "1/2"],
+                 ["--source", f"alpha={sources['alpha']}", "--shard", "2/2"],
+                 ["--source", f"beta={sources['beta']}"]):
+        code, _, err = run_cli("extract", *common, *args)
+        assert code == 0, err
+    return {"wh": wh, "model": model, "common": common}
+
+
+def test_incremental_moments_and_samples_equal_a_merge_from_scratch(moments_wh, workdir, sources):
+    wh = workdir / "merge-moments-rerun"
+    shutil.copytree(moments_wh["wh"], wh)
+    code, _, err = run_cli("extract", *moments_wh["common"][:2], "--warehouse", wh, *moments_wh["common"][4:],
+                           "--source", f"alpha={sources['alpha']}", "--shard", "1/2")  # replaces a partial
+    assert code == 0, err
+    for root in (moments_wh["wh"], wh):
+        incremental = _snapshot(root)
+        manifest = store.read_manifest(root)
+        keys = [k for k, e in manifest["entries"].items() if e["kind"] == "merged"]
+        assert merge.rebuild(root, keys) == len(keys) == 3
+        assert_same(incremental, _snapshot(root))
+    assert_same(_snapshot(wh), _snapshot(moments_wh["wh"]))  # the re-run of the same data changed nothing
+
+
+def assert_same(got: dict, want: dict) -> None:
+    """Equal views, floats to 1e-9 relative."""
+    for view, rows in want.items():
+        assert len(got[view]) == len(rows), view
+        for a, b in zip(got[view], rows):
+            for x, y in zip(a, b):
+                assert (close(x, y) if isinstance(x, float) else x == y), (view, a, b)
+
+
+def test_cli_compact_then_a_new_shard_is_refused(moments_wh, workdir, sources):
+    wh = workdir / "merge-compact-cli"
+    shutil.copytree(moments_wh["wh"], wh)
+    before = _snapshot(wh)
+    code, out, err = run_cli("compact", "--warehouse", wh)
+    assert code == 0, err
+    assert "B per (layer, token type)" in out
+    assert _snapshot(wh) == before
+    code, _, err = run_cli("extract", *moments_wh["common"][:2], "--warehouse", wh, "--max-length", 32,
+                           "--source", f"gamma={sources['alpha']}")
+    assert code == 2 and "was compacted" in err and len(err.strip().splitlines()) == 1, err
+    assert _snapshot(wh) == before
+    assert run_cli("validate", "--warehouse", wh)[0] == 0
+
+
+@pytest.mark.parametrize("point,after", [("compact", False), ("manifest", False), ("gc", True)])
+def test_kill_9_during_compaction(moments_wh, workdir, point, after):
+    from test_reliability import run_subprocess
+
+    wh = workdir / f"merge-kill-compact-{point}"
+    shutil.copytree(moments_wh["wh"], wh)
+    before = _snapshot(wh)
+    done = workdir / f"merge-kill-compact-{point}-done"
+    shutil.copytree(moments_wh["wh"], done)
+    assert run_cli("compact", "--warehouse", done)[0] == 0
+    proc = run_subprocess(["compact", "--warehouse", str(wh)], fault=f"{point}:1")
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert _snapshot(wh) == before  # the views answer exactly as before or as after (same numbers)
+    compacted = merge.is_compacted(store.read_manifest(wh), "gpt_neox-untied", "main")
+    assert compacted == after
+    assert run_cli("validate", "--warehouse", wh, "--fix")[0] == 0
+    assert run_cli("validate", "--warehouse", wh)[0] == 0
+    if after:
+        files = lambda r: sorted(str(p.relative_to(r)) for p in (r / "tables").rglob("*.parquet"))  # noqa: E731
+        assert len(files(wh)) == len(files(done))
+
+
+# ---------------------------------------------------------------- layering
+
+LAYERS = {  # module → the project modules it may import
+    "common": set(),
+    "warehouse.schema": {"common"},
+    "warehouse.measures": set(),
+    "warehouse.store": {"common", "warehouse.schema"},
+    "warehouse.merge": {"common", "warehouse.schema", "warehouse.store", "warehouse.measures"},
+    "warehouse.query": {"common", "warehouse.schema", "warehouse.store", "warehouse.merge"},
+    "warehouse.validate": {"common", "warehouse.schema", "warehouse.store", "warehouse.merge", "warehouse.query"},
+    "warehouse.report": {"common", "warehouse.schema", "warehouse.store", "warehouse.query", "warehouse.measures"},
+}
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package if node.level == 1 else package.rsplit(".", node.level - 1)[0]
+                mod = f"{base}.{node.module}" if node.module else base
+                out |= {mod} if node.module else {f"{base}.{a.name}" for a in node.names}
+            else:
+                out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in out if m.split(".")[0] in ("common", "warehouse", "extract")}
+
+
+def _project(name: str) -> str:
+    parts = name.split(".")
+    return "common" if parts[0] == "common" else ".".join(parts[:2])
+
+
+def test_layers_import_only_below_themselves():
+    for path in sorted((ROOT / "warehouse").glob("*.py")) + sorted((ROOT / "common").glob("*.py")):
+        mod = path.stem if path.parent.name == "common" else f"warehouse.{path.stem}"
+        if mod in ("warehouse.__init__",) or path.parent.name == "common":
+            assert not {_project(m) for m in _imports(path, path.parent.name)} - {"common"}, path
+            continue
+        used = {_project(m) for m in _imports(path, "warehouse")} - {mod, "warehouse.__init__", "warehouse"}
+        assert not any(m.startswith("extract") for m in used), f"{path.name} imports extract/"
+        assert used <= LAYERS[mod], f"{path.name} imports {sorted(used - LAYERS[mod])}"
+    src = (ROOT / "warehouse" / "measures.py").read_text()
+    assert not any(w in src for w in ("open(", "pyarrow", "duckdb", "Path(")), "measures.py does I/O"
