@@ -56,7 +56,7 @@ def extract(
     batch_size: int = typer.Option(8, help="Windows per forward pass."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: bfloat16 on cuda, float32 on cpu)."),
-    shard: str = typer.Option("1/1", help="I/N: process a deterministic 1/N of each source's documents."),
+    shard: Optional[str] = typer.Option(None, help="I/N: process a deterministic 1/N of each source's documents. Default: from torchrun (RANK+1 of WORLD_SIZE), a Slurm job array (task of count), else 1/1."),
     pile_set: Optional[str] = typer.Option(None, help="Keep only Pile documents with this meta.pile_set_name."),
     encoding_errors: str = typer.Option("strict", help="Lines that are not UTF-8: strict (fail, naming the line) | replace | skip (both counted)."),
     vector_dtype: str = typer.Option("float32", help="Storage of per-token sum vectors: float32 | float64 (exact merges, 2x bytes) | float16 (half the bytes)."),
@@ -74,10 +74,13 @@ def extract(
     """Run a model over text sources and store mergeable sums.
 
     Example: python cli.py extract --model pythia-70m --checkpoint step143000 --source enron=enron.jsonl.zst --unit sentence
+
+    Example (one node, 8 GPUs, one shard per GPU): torchrun --standalone --nproc_per_node 8 cli.py extract --model pythia-1.4b --source pile=val.jsonl.zst
     """
     import torch
 
     from extract.architectures import parse_module_overrides
+    from extract.launch import detect, device_for, finish
     from extract.models import DTYPES, resolve_model, select_checkpoints
     from extract.run import Settings, extract as run_extract, summary_line
     from extract.sources import parse_shard, parse_source
@@ -87,7 +90,8 @@ def extract(
             raise UserError(f"--unit {unit!r}: expected document or sentence")
         if vector_dtype not in ("float32", "float64", "float16"):
             raise UserError(f"--vector-dtype {vector_dtype!r}: expected float32, float64 or float16")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        launch = detect(parse_shard(shard) if shard is not None else None)
+        device = device_for(launch, device, torch.cuda.is_available())
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise UserError(f"--device {device!r}: expected cpu or cuda")
         if device.startswith("cuda") and not torch.cuda.is_available():
@@ -113,14 +117,17 @@ def extract(
             revs += select_checkpoints(ref, checkpoints)
         revs = revs or ["main"]
         settings = Settings(unit=unit, max_length=max_length, max_tokens=max_tokens, batch_size=batch_size,
-                            device=device, dtype=dtype, shard=parse_shard(shard), vector_dtype=vector_dtype,
+                            device=device, dtype=dtype, shard=launch.shard, vector_dtype=vector_dtype,
                             trust_remote_code=trust_remote_code, params_only=params_only,
                             accumulator_device=accumulator_device, skip_done=skip_done, moments=moments,
                             sample=sample, special_tokens=special_tokens, memory_budget=budget,
                             spill_dir=str(spill_dir) if spill_dir else None, modules=modules)
         start = time.perf_counter()
-        results = run_extract(ref, revs, sources, warehouse, settings, log=lambda m: typer.echo(m, err=True))
-        typer.echo(summary_line(results, time.perf_counter() - start) + f"; warehouse: {warehouse}", err=True)
+        tag = f"[rank {launch.rank} of {launch.world_size}] " if launch.distributed else ""
+        results = run_extract(ref, revs, sources, warehouse, settings, log=lambda m: typer.echo(tag + m, err=True))
+        typer.echo(tag + summary_line(results, time.perf_counter() - start) +
+                   f"; shard {launch.shard[0]}/{launch.shard[1]} ({launch.launcher}); warehouse: {warehouse}", err=True)
+        finish(launch)  # under torchrun: every rank has committed when this returns
     except UserError as e:
         fail(str(e))
 

@@ -1,13 +1,16 @@
 """Fault injection for the reliability tests: `ISO_FAULT=point[:n]` kills the process with
 SIGKILL the n-th time (default 1st) execution reaches `point`.  Unset, `hit()` is one dict
-lookup.  Points: read, forward, write, close, manifest, views, gc, derive."""
+lookup.  Points: read, forward, write, close, merge (merged files written, manifest not yet),
+manifest, views, gc, compact."""
 
 from __future__ import annotations
 
 import os
 import signal
 
-_SPEC = os.environ.get("ISO_FAULT", "")
+# ISO_FAULT_RANK=r limits the fault to the process whose RANK (torchrun) is r.
+_RANK = os.environ.get("ISO_FAULT_RANK")
+_SPEC = os.environ.get("ISO_FAULT", "") if _RANK in (None, os.environ.get("RANK")) else ""
 _POINT, _, _N = _SPEC.partition(":")
 _COUNT = {"n": int(_N) if _N else 1}
 
