@@ -93,6 +93,17 @@ def test_intra_sim_per_token_and_average(core, model):
 
 
 @pytest.mark.parametrize("model", MODELS)
+def test_avg_intra_sim_by_source(core, model):
+    got = rows(core["wh"], f"SELECT * FROM avg_intra_sim_by_source WHERE model = '{model}'")
+    assert {r["source"] for r in got} == {"alpha", "beta"}
+    for r in got:
+        want = ref.intra_sim(core["states"][model][r["source"]])
+        per_layer = {k: v for k, v in want.items() if k[0] == r["layer"]}
+        assert r["tokens"] == len(per_layer)
+        assert r["avg_intra_sim"] == pytest.approx(ref.avg_intra_sim(want)[r["layer"]], abs=1e-6)
+
+
+@pytest.mark.parametrize("model", MODELS)
 def test_embedding_layer_intra_sim_is_one(core, model):
     """GPT-NeoX has no position embeddings: every occurrence of a token has the same layer-0
     vector.  Merging float32-stored partials (sources, shards) costs ~1e-8."""
