@@ -98,7 +98,9 @@ class _Sorted:
     `batch_rows` rows at a time (memory bounded whatever the file's size)."""
 
     def __init__(self, path: Path, columns: list[str], batch_rows: int):
-        self._file = pq.ParquetFile(path)
+        # pre_buffer=False: with pre-buffering, iter_batches kept every row group read so far in
+        # Arrow's pool (measured: RSS grew by the whole file, 2 GB for a 1.7 GB partial)
+        self._file = pq.ParquetFile(path, pre_buffer=False)
         self._batches = self._file.iter_batches(batch_size=batch_rows, columns=columns)
         self._buf: pa.Table | None = None
         self._keys = np.empty(0, np.int64)
