@@ -160,7 +160,9 @@ def main() -> None:
           f"{a.vocab} token types, d {a.d}; warehouse {wh}")
     if not (wh / store.MANIFEST).exists():
         commits = build(wh, a.sources, a.shards, a.layers, a.vocab, a.d)
-        print(f"build: {sum(commits):.1f} s for {len(commits)} commits (last {commits[-1]:.1f} s)")
+        hwm = [int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM")]
+        print(f"build: {sum(commits):.1f} s for {len(commits)} commits (last {commits[-1]:.1f} s); "
+              f"peak RSS of the building process {hwm[0] / 1e6:.2f} GB" if hwm else "")
     from warehouse.query import refresh_companions
 
     refresh_companions(wh)
