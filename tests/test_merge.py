@@ -27,9 +27,9 @@ from bench_query import write_partial, write_vocab  # noqa: E402
 V, L, D = 300, 3, 16
 
 
-def _partial(root, rng, source, shard, step=None):
+def _partial(root, rng, source, shard, step=None, checkpoint="c"):
     types = rng.choice(V, size=int(rng.integers(V // 3, V)), replace=False)  # overlapping sparse subsets
-    return write_partial(root, "m", "c", source, shard, L, V, D, rng, types=types, step=step, chunk=37)
+    return write_partial(root, "m", checkpoint, source, shard, L, V, D, rng, types=types, step=step, chunk=37)
 
 
 def oracle(root: Path, entries: list[dict]) -> dict:
@@ -69,12 +69,12 @@ def check_against(root: Path, want: dict) -> None:
     con = connect(root)
     for group, w in want.items():
         got = {(r[0], r[1]): (r[2], r[3]) for r in con.execute(
-            "SELECT layer, token_id, n, sum_sq FROM token_stats WHERE source = ?", [group]).fetchall()}
+            "SELECT layer, token_id, n, sum_sq FROM token_stats WHERE source = ? AND checkpoint = 'c'", [group]).fetchall()}
         assert set(got) == set(w["tokens"]), group
         for k, (n, sq) in w["tokens"].items():
             assert got[k][0] == n and close(got[k][1], sq), (group, k, got[k], (n, sq))
         lay = {r[0]: (r[1], r[2]) for r in con.execute(
-            "SELECT layer, n, sum_sq FROM layer_norms WHERE source = ?", [group]).fetchall()}
+            "SELECT layer, n, sum_sq FROM layer_norms WHERE source = ? AND checkpoint = 'c'", [group]).fetchall()}
         assert set(lay) == set(w["layers"])
         for l, (n, sq) in w["layers"].items():
             assert lay[l][0] == n and close(lay[l][1], sq)
@@ -90,16 +90,16 @@ def check_against(root: Path, want: dict) -> None:
             unit[l][0] += 1
             unit[l][1] += S / np.linalg.norm(S)
         fb = {(r[0], r[1]): r[2:] for r in con.execute(
-            "SELECT layer, bucket, types, n, sum_sq FROM frequency_buckets WHERE source = ?", [group]).fetchall()}
+            "SELECT layer, bucket, types, n, sum_sq FROM frequency_buckets WHERE source = ? AND checkpoint = 'c'", [group]).fetchall()}
         assert set(fb) == set(buckets)
         for k, (types, n, S) in buckets.items():
             assert fb[k][0] == types and fb[k][1] == n and close(fb[k][2], float(S @ S))
         ts = {r[0]: r[1:] for r in con.execute(
-            "SELECT layer, types, types_sum_sq FROM layer_metrics WHERE source = ?", [group]).fetchall()}
+            "SELECT layer, types, types_sum_sq FROM layer_metrics WHERE source = ? AND checkpoint = 'c'", [group]).fetchall()}
         for l, (types, u) in unit.items():
             assert ts[l][0] == types and close(ts[l][1], float(u @ u))
     # the user-facing views read the merged tables
-    intra = {(r[0], r[1]): r[2] for r in con.execute("SELECT layer, token_id, intra_sim FROM intra_sim").fetchall()}
+    intra = {(r[0], r[1]): r[2] for r in con.execute("SELECT layer, token_id, intra_sim FROM intra_sim WHERE checkpoint = 'c'").fetchall()}
     for k, (n, sq) in want["all"]["tokens"].items():
         if n >= 2:
             assert close(intra[k], (sq - n) / (n * n - n))
@@ -324,3 +324,89 @@ def test_layers_import_only_below_themselves():
         assert used <= LAYERS[mod], f"{path.name} imports {sorted(used - LAYERS[mod])}"
     src = (ROOT / "warehouse" / "measures.py").read_text()
     assert not any(w in src for w in ("open(", "pyarrow", "duckdb", "Path(")), "measures.py does I/O"
+
+
+# ---------------------------------------------------------------- the lock-free commit log
+
+
+def test_two_writers_of_one_record_exactly_one_wins(tmp_path):
+    rng = np.random.default_rng(5)
+    root = tmp_path / "wh"
+    a, b = _partial(root, rng, "s0", "1-of-1"), _partial(root, rng, "s0", "1-of-1")
+    seq, manifest = store.read_state(root)
+    assert store.publish(root, seq, {**manifest, "entries": dict(manifest["entries"])}, [a]) is not None
+    assert store.publish(root, seq, manifest, [b]) is None  # the same record number: refused
+    state = store.read_manifest(root)
+    assert state["entries"][a["key"]]["run_id"] == a["run_id"] and state["generation"] == 1
+    assert sorted(p.name for p in (root / store.LOG_DIR).iterdir()) == [f"{1:020d}.json"]
+
+
+@pytest.mark.parametrize("same_pair", [True, False])
+def test_a_lost_race_refolds_or_rebases(tmp_path, monkeypatch, same_pair):
+    """Writer A folds on state s; writer B commits first; A's record s+1 is refused.  Same
+    (model, checkpoint): A folds again on B's state; another checkpoint: A's files are published
+    on top of B's as they are."""
+    rng = np.random.default_rng(9)
+    root = tmp_path / "wh"
+    first = _partial(root, rng, "s0", "1-of-2")
+    merge.commit(root, [first])
+    a = _partial(root, rng, "s0", "2-of-2")
+    b = _partial(root, rng, "s1", "1-of-1", checkpoint="c" if same_pair else "c2")
+    real_publish, folds, raced = store.publish, [], []
+    real_fold = merge.fold
+
+    def publish(root_, seq, manifest, entries, remove=()):
+        if not raced:
+            raced.append(True)
+            merge.commit(root_, [b])  # B wins the next record
+        return real_publish(root_, seq, manifest, entries, remove)
+
+    monkeypatch.setattr(merge, "fold", lambda *x: folds.append(1) or real_fold(*x))
+    monkeypatch.setattr(store, "publish", publish)
+    merge.commit(root, [a])
+    assert len(folds) == (3 if same_pair else 2)  # A, B, (A again)
+    manifest = store.read_manifest(root)
+    assert manifest["generation"] == 3
+    if same_pair:
+        check_against(root, oracle(root, [first, a, b]))
+    else:
+        check_against(root, {g: w for g, w in oracle(root, [first, a]).items()})
+    assert validate(root) == []
+
+
+def _commit_one(args):
+    root, source, shard, seed = args
+    rng = np.random.default_rng(seed)
+    entry = _partial(Path(root), rng, source, shard)
+    merge.commit(Path(root), [entry])
+    return entry
+
+
+def test_concurrent_commits_without_a_lock(tmp_path):
+    """Six processes commit six partials of one checkpoint at the same time: every one lands once."""
+    import multiprocessing as mp
+
+    root = tmp_path / "wh"
+    jobs = [(str(root), f"s{i % 3}", f"{i // 3 + 1}-of-2", 100 + i) for i in range(6)]
+    with mp.get_context("spawn").Pool(6) as pool:
+        entries = pool.map(_commit_one, jobs)
+    manifest = store.read_manifest(root)
+    assert sum(e["kind"] == "data" for e in manifest["entries"].values()) == 6
+    assert manifest["generation"] == 6  # one record per commit: retries never add records
+    check_against(root, oracle(root, entries))
+    assert validate(root) == []
+
+
+def test_views_refuse_a_manifest_whose_merged_tables_are_stale(tmp_path):
+    rng = np.random.default_rng(13)
+    root = tmp_path / "wh"
+    entries = [_partial(root, rng, "s0", f"{k + 1}-of-2") for k in range(2)]
+    for e in entries:
+        merge.commit(root, [e])
+    seq, manifest = store.read_state(root)
+    assert store.publish(root, seq, manifest, [], remove=[merge.group_key("m", "c", "all")]) is not None
+    with pytest.raises(UserError, match="merged tables do not match"):
+        connect(root)
+    assert any("out of date" in p for p in validate(root))
+    assert validate(root, fix=True) == []
+    check_against(root, oracle(root, entries))

@@ -30,6 +30,7 @@ Storage per group: token_stats ~12–20 B per (layer, token type) compressed; to
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
 import time
 from collections import defaultdict
@@ -562,21 +563,66 @@ def discard(root: Path, entries: list[dict]) -> None:
                 (Path(root) / rel).unlink()
 
 
-def commit(root: Path, entries: list[dict]) -> list[str]:
+def _pairs_touched(records: list[dict]) -> set[tuple[str, str]]:
+    out = {(e["model"], e["checkpoint"]) for r in records for e in r["put"]}
+    return out | {tuple(json.loads(k)[1:3]) for r in records for k in r["remove"]}
+
+
+def commit(root: Path, entries: list[dict], max_tries: int = 1000) -> list[str]:
     """Publish params and data entries together with the merged entries of every group they touch,
-    in one atomic manifest write; returns the files no entry lists any more (deleted)."""
+    in one commit record; returns the files no entry lists any more (deleted).  No lock: when
+    another writer committed first, the merged files are folded again on top of its state if it
+    touched the same (model, checkpoint), else the same files are published on top of it."""
     root = Path(root)
-    with store.locked(root):
-        manifest = store.read_manifest(root)
+    data = [e for e in entries if e["kind"] == "data"]
+    pairs = {(e["model"], e["checkpoint"]) for e in data}
+    seq, manifest = store.read_state(root)
+    merged: list[dict] | None = None
+    for _ in range(max_tries):
         for e in entries:
             store.check_compatible(manifest, e["model"], e["hidden_size"])
-        merged = fold(root, manifest, [e for e in entries if e["kind"] == "data"])
+        if merged is None:
+            try:
+                merged = fold(root, manifest, data)
+            except FileNotFoundError as e:  # a writer that committed meanwhile replaced a merged file
+                latest, _ = store.changes_since(root, seq)
+                if latest == seq:
+                    raise UserError(f"{e.filename or e}: listed in the manifest but missing "
+                                    "(run `python cli.py validate`)") from None
+                seq, manifest = store.read_state(root)
+                continue
         try:
-            faults.hit("merge")  # merged files written, manifest not yet replaced
+            faults.hit("merge")  # merged files written, commit record not yet
+            stale = store.publish(root, seq, manifest, entries + merged)
         except BaseException:
             discard(root, merged)
             raise
-        return store.commit_locked(root, manifest, entries + merged)
+        if stale is not None:
+            return stale
+        _, records = store.changes_since(root, seq)
+        seq, manifest = store.read_state(root)
+        if _pairs_touched(records) & pairs:
+            discard(root, merged)  # folded on a state that is no longer the latest for these pairs
+            merged = None
+    raise UserError(f"{root}: gave up committing after {max_tries} tries (other writers kept committing first)")
+
+
+def _publish_retrying(root: Path, make) -> object:
+    """Run make(manifest) → (entries, remove, result) and publish it; on a lost race, discard its new
+    entries' files and run it again on the newer state."""
+    while True:
+        seq, manifest = store.read_state(root)
+        entries, remove, result = make(manifest)
+        if not entries and not remove:
+            return result
+        try:
+            ok = store.publish(root, seq, manifest, entries, remove)
+        except BaseException:
+            discard(root, [e for e in entries if e["kind"] == "merged" and not e.get("compacted")])
+            raise
+        if ok is not None:
+            return result
+        discard(root, [e for e in entries if e["kind"] == "merged" and not e.get("compacted")])
 
 
 def expected_groups(manifest: dict) -> dict[str, tuple[str, str, str, list[dict]]]:
@@ -601,14 +647,14 @@ def rebuild(root: Path, keys: list[str] | None = None) -> int:
     """Re-merge the given groups (default: every stale one) from their partials and commit them;
     returns how many were rebuilt.  Compacted checkpoints cannot be rebuilt (their vectors are gone)."""
     root = Path(root)
-    with store.locked(root):
-        manifest = store.read_manifest(root)
+
+    def make(manifest):
         stale, extra = stale_groups(manifest)
         want = expected_groups(manifest)
-        keys = [k for k in (stale if keys is None else keys) if k in want]
+        todo = [k for k in (stale if keys is None else keys) if k in want]
         new: list[dict] = []
         try:
-            for k in keys:
+            for k in todo:
                 model, checkpoint, group, members = want[k]
                 if any(e.get("compacted") for e in members):
                     raise UserError(f"{model}@{checkpoint}: compacted, its merged tables cannot be rebuilt")
@@ -617,9 +663,9 @@ def rebuild(root: Path, keys: list[str] | None = None) -> int:
         except BaseException:
             discard(root, new)
             raise
-        if new or extra:
-            store.commit_locked(root, manifest, new, remove=extra)
-    return len(new)
+        return new, extra, len(new)
+
+    return _publish_retrying(root, make)
 
 
 def _table(root: Path, rel: str | None, columns: list[str]) -> pa.Table | None:
@@ -679,9 +725,10 @@ def compact(root: Path, model: str | None = None, checkpoint: str | None = None)
     Afterwards the checkpoint is final: a new partial of it is refused.  Returns bytes before/after."""
     root = Path(root)
     drop_data = ("token_sums", "moments", "samples")
-    with store.locked(root):
-        manifest = store.read_manifest(root)
-        stale, extra = stale_groups(manifest)
+    sizes = {}
+
+    def make(manifest):
+        stale, _ = stale_groups(manifest)
         pairs = sorted(p for p in _data_by_pair(manifest)
                        if (model is None or p[0] == model) and (checkpoint is None or p[1] == checkpoint))
         if not pairs:
@@ -689,7 +736,8 @@ def compact(root: Path, model: str | None = None, checkpoint: str | None = None)
         want = expected_groups(manifest)
         if any((want[k][0], want[k][1]) in pairs for k in stale):
             raise UserError("merged tables are out of date; run `python cli.py validate --fix` before compacting")
-        before = _token_bytes(root, manifest, pairs)
+        sizes["before"] = _token_bytes(root, manifest, pairs)
+        sizes["pairs"] = pairs
         updated = []
         for e in manifest["entries"].values():
             if (e["model"], e["checkpoint"]) not in pairs or e["kind"] not in ("data", "merged"):
@@ -697,9 +745,11 @@ def compact(root: Path, model: str | None = None, checkpoint: str | None = None)
             drop = drop_data if e["kind"] == "data" else schema.STATE_TABLES
             updated.append({**e, "files": {t: f for t, f in e["files"].items() if t not in drop}, "compacted": True})
         faults.hit("compact")
-        store.commit_locked(root, manifest, updated)
-        after = _token_bytes(root, store.read_manifest(root), pairs)
-    return {"checkpoints": len(pairs), "before": before, "after": after}
+        return updated, [], None
+
+    _publish_retrying(root, make)
+    after = _token_bytes(root, store.read_manifest(root), sizes["pairs"])
+    return {"checkpoints": len(sizes["pairs"]), "before": sizes["before"], "after": after}
 
 
 def _token_bytes(root: Path, manifest: dict, pairs: list[tuple[str, str]]) -> dict:

@@ -116,11 +116,10 @@ def companions_current(root: Path, manifest: dict) -> bool:
 def refresh_companions(root: Path) -> None:
     """Rewrite runs.parquet and views.sql if a process died between the manifest and them."""
     root = Path(root)
-    if not companions_current(root, store.read_manifest(root)):
-        with store.locked(root):
-            manifest = store.read_manifest(root)
-            store.write_runs_table(root, manifest)
-            write_views_file(root, manifest)
+    manifest = store.read_manifest(root)
+    if not companions_current(root, manifest):  # no lock: each file is replaced atomically
+        store.write_companions(root, manifest)
+        write_views_file(root, manifest)
 
 
 def write_views_file(root: Path, manifest: dict | None = None) -> Path:

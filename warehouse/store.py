@@ -2,10 +2,15 @@
 
 A run writes its Parquet files under `tables/<table>/<partition dirs>/<run_id>.parquet`
 (each file written to a temporary name, fsynced, then renamed).  Files become visible to
-queries only when the manifest lists them: `commit_locked()` replaces `manifest.json`
-atomically (write + fsync + rename under an exclusive lock), so a killed run leaves nothing
-that a view can see, and a re-run of the same key replaces the earlier entry instead of adding
-to it.  Files that no entry lists any more are deleted after the commit (and by `validate --fix`).
+queries only when the manifest lists them, and the manifest is a commit log without locks:
+`_log/<seq>.json`, one immutable record per commit, created only if absent (a hard link of a
+complete file: atomic on local disks and NFS).  A record holds the entries it adds or replaces
+and the keys it removes (every 32nd also the whole manifest); the state is the latest record's.
+Two writers that read the same state race for the same next record: exactly one creates it, the
+other re-reads and tries again on top of it (`publish` returns None).  So a killed run leaves
+nothing that a view can see, and a re-run of the same key replaces the earlier entry instead of
+adding to it.  Files that no entry lists any more are deleted after the commit; files of runs
+that never committed, by `validate --fix`.
 
 This is the bottom of the warehouse: it knows files and the manifest, not what the tables mean
 (merge.py folds partials, query.py makes views; neither is imported here).
@@ -15,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import fcntl
 import json
 import os
+import re
 import secrets
+import socket
 from pathlib import Path
 from urllib.parse import quote
 
@@ -30,10 +36,13 @@ from common.errors import UserError
 
 from . import schema
 
-MANIFEST = "manifest.json"
+MANIFEST = "manifest.json"  # a copy of the current state (companion); the commit log is authoritative
+LOG_DIR = "_log"
+SNAPSHOT_EVERY = 32  # every 32nd record holds the whole manifest; the others only their changes
 RUNS_FILE = "runs.parquet"
 VIEWS_FILE = "views.sql"
-LOCK = "manifest.lock"
+_RECORD = re.compile(r"\d{20}\.json")
+_WRITER = {"host": socket.gethostname(), "pid": os.getpid()}
 
 
 def new_run_id() -> str:
@@ -106,33 +115,86 @@ class TableWriter:
                 p.unlink()
 
 
-@contextlib.contextmanager
-def locked(root: Path):
-    """Exclusive lock on the warehouse's manifest (processes and machines sharing a POSIX fs)."""
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / LOCK, "a+") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+def _record_name(seq: int) -> str:
+    return f"{seq:020d}.json"
 
 
-def read_manifest(root: Path) -> dict:
-    path = Path(root) / MANIFEST
-    if not path.exists():
-        return {"schema_version": schema.SCHEMA_VERSION, "entries": {}}
+def _seqs(root: Path) -> list[int]:
+    log = Path(root) / LOG_DIR
+    if not log.is_dir():
+        return []
+    return sorted(int(p.name[:-5]) for p in log.iterdir() if _RECORD.fullmatch(p.name))
+
+
+def _read_record(root: Path, seq: int) -> dict:
+    path = Path(root) / LOG_DIR / _record_name(seq)
     try:
-        manifest = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise UserError(f"{path}: unreadable manifest ({e})") from None
+        raise UserError(f"{path}: unreadable commit record ({e})") from None
+
+
+def _empty() -> dict:
+    return {"schema_version": schema.SCHEMA_VERSION, "entries": {}, "generation": 0}
+
+
+def _check_version(manifest: dict, path: Path) -> None:
     version = manifest.get("schema_version")
     if version != schema.SCHEMA_VERSION:
         raise UserError(
             f"{path}: warehouse schema version {version}, this tool writes version "
             f"{schema.SCHEMA_VERSION}; use another --warehouse"
         )
-    return manifest
+
+
+def read_state(root: Path) -> tuple[int, dict]:
+    """(sequence number, manifest) of the latest commit record: the newest snapshot at or before it,
+    with the later records' changes applied."""
+    root = Path(root)
+    seqs = _seqs(root)
+    if not seqs:
+        legacy = root / MANIFEST
+        if legacy.exists():  # a warehouse of an earlier version: no commit log, only manifest.json
+            try:
+                manifest = json.loads(legacy.read_text())
+            except (OSError, ValueError) as e:
+                raise UserError(f"{legacy}: unreadable manifest ({e})") from None
+            _check_version(manifest, legacy)
+            raise UserError(f"{legacy}: warehouse without a commit log (written by an earlier version); "
+                            "use another --warehouse")
+        return 0, _empty()
+    deltas = []
+    for seq in reversed(seqs):
+        rec = _read_record(root, seq)
+        if "manifest" in rec:
+            manifest = rec["manifest"]
+            break
+        deltas.append(rec)
+    else:
+        raise UserError(f"{root / LOG_DIR}: no snapshot record at or before {seqs[-1]} (damaged commit log)")
+    _check_version(manifest, root / LOG_DIR / _record_name(seqs[-1]))
+    for rec in reversed(deltas):
+        _apply(manifest, rec["put"], rec["remove"])
+    manifest["generation"] = seqs[-1]
+    return seqs[-1], manifest
+
+
+def _apply(manifest: dict, put: list[dict], remove: list[str]) -> None:
+    for key in remove:
+        manifest["entries"].pop(key, None)
+    for e in put:
+        manifest["entries"][e["key"]] = e
+
+
+def read_manifest(root: Path) -> dict:
+    """The current state: the manifest of the latest commit record."""
+    return read_state(root)[1]
+
+
+def changes_since(root: Path, seq: int) -> tuple[int, list[dict]]:
+    """(latest seq, the records after `seq`): what other writers committed since a base was read."""
+    seqs = [s for s in _seqs(root) if s > seq]
+    return (seqs[-1] if seqs else seq), [_read_record(root, s) for s in seqs]
 
 
 def check_compatible(manifest: dict, model: str, hidden_size: int) -> None:
@@ -144,27 +206,63 @@ def check_compatible(manifest: dict, model: str, hidden_size: int) -> None:
             )
 
 
-def commit_locked(root: Path, manifest: dict, entries: list[dict], remove: list[str] = ()) -> list[str]:
-    """Add or replace `entries` (and drop the keys in `remove`) in one atomic manifest write, then
-    delete the files no entry lists any more; returns them.  The caller holds `locked(root)` and read
-    `manifest` under it (warehouse/merge.py's `commit` is the one caller that adds data)."""
+def publish(root: Path, base_seq: int, manifest: dict, entries: list[dict], remove: list[str] = ()
+            ) -> list[str] | None:
+    """Commit `entries` (added or replacing entries of the same key) and drop `remove`, on top of
+    `manifest`, the state of record `base_seq`: create record base_seq + 1 if absent (no lock).
+    Returns the files no entry lists any more (deleted), or None if another writer took that
+    record first — the caller re-reads the state and tries again."""
+    root = Path(root)
+    new = {**manifest, "entries": dict(manifest["entries"])}
     old_files = {f for e in manifest["entries"].values() for f in e["files"].values()}
-    for e in entries:
-        manifest["entries"][e["key"]] = e
-    for key in remove:
-        manifest["entries"].pop(key, None)
-    live = {f for e in manifest["entries"].values() for f in e["files"].values()}
-    manifest["generation"] = manifest.get("generation", 0) + 1
+    _apply(new, list(entries), list(remove))
+    live = {f for e in new["entries"].values() for f in e["files"].values()}
+    seq = base_seq + 1
+    record = {"seq": seq, "time": _dt.datetime.now(_dt.timezone.utc).isoformat(), "writer": _WRITER,
+              "put": list(entries), "remove": list(remove)}
+    if seq == 1 or seq % SNAPSHOT_EVERY == 0:
+        record["manifest"] = {**new, "generation": seq}
     faults.hit("manifest")
-    atomic_write_bytes(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    if not create_if_absent(root / LOG_DIR / _record_name(seq), json.dumps(record, sort_keys=True).encode()):
+        return None
+    new["generation"] = seq
+    manifest.clear()
+    manifest.update(new)
     faults.hit("views")
-    write_runs_table(root, manifest)
+    write_companions(root, manifest)
     stale = sorted(old_files - live)
     faults.hit("gc")
     for rel in stale:
         with contextlib.suppress(FileNotFoundError):
             (root / rel).unlink()
     return stale
+
+
+def create_if_absent(path: Path, data: bytes) -> bool:
+    """Write `data` to `path` unless it exists, atomically: readers see all of it or no file.  On a
+    POSIX file system (local, NFS) a complete temporary file is hard-linked to the name — link()
+    fails if the name exists — then the temporary name is removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+    _fsync_dir(path.parent)
+    return True
+
+
+def write_companions(root: Path, manifest: dict) -> None:
+    """manifest.json (the current state, for people and scripts; the log is authoritative) and
+    runs.parquet; a reader that finds them behind the log rewrites them."""
+    atomic_write_bytes(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    write_runs_table(root, manifest)
 
 
 def generation_tag(manifest: dict) -> str:

@@ -60,6 +60,8 @@ def validate(root: Path, fix: bool = False) -> list[str]:
             problems += check_file(root, rel, table, entry)
     orphans = sorted(str(p.relative_to(root)) for p in (root / "tables").rglob("*")
                      if p.is_file() and str(p.relative_to(root)) not in listed) if (root / "tables").exists() else []
+    log = root / store.LOG_DIR
+    orphans += sorted(str(p.relative_to(root)) for p in log.glob(".*.tmp")) if log.is_dir() else []
     for rel in orphans:
         if fix:
             with contextlib.suppress(FileNotFoundError):
