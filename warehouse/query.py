@@ -109,8 +109,14 @@ def all_view_sql(root: Path, manifest: dict) -> list[str]:
 
 
 def companions_current(root: Path, manifest: dict) -> bool:
+    """views.sql, runs.parquet and manifest.json all written from the latest record (two writers'
+    companion writes may land in either order: the older one is then rewritten here)."""
+    if not manifest["entries"]:
+        return True
     views = Path(root) / store.VIEWS_FILE
-    return not manifest["entries"] or (views.exists() and store.generation_tag(manifest) in views.read_text())
+    gen = manifest.get("generation", 0)
+    return (views.exists() and store.generation_tag(manifest) in views.read_text()
+            and store.companion_generations(root) == (gen, gen))
 
 
 def refresh_companions(root: Path) -> None:

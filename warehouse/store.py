@@ -258,6 +258,22 @@ def create_if_absent(path: Path, data: bytes) -> bool:
     return True
 
 
+def companion_generations(root: Path) -> tuple[int | None, int | None]:
+    """The generations manifest.json and runs.parquet were written from (None: missing/unreadable)."""
+    root = Path(root)
+    out = []
+    try:
+        out.append(json.loads((root / MANIFEST).read_text()).get("generation"))
+    except (OSError, ValueError):
+        out.append(None)
+    try:
+        meta = pq.read_schema(root / RUNS_FILE).metadata or {}
+        out.append(int(meta.get(b"generation", b"-1")))
+    except (OSError, ValueError, pa.ArrowException):
+        out.append(None)
+    return out[0], out[1]
+
+
 def write_companions(root: Path, manifest: dict) -> None:
     """manifest.json (the current state, for people and scripts; the log is authoritative) and
     runs.parquet; a reader that finds them behind the log rewrites them."""
@@ -289,7 +305,8 @@ def write_runs_table(root: Path, manifest: dict) -> None:
                 "stats": json.dumps(stats, sort_keys=True),
             }
         )
-    table = pa.Table.from_pylist(rows, schema=schema.RUNS)
+    table = pa.Table.from_pylist(rows, schema=schema.RUNS.with_metadata(
+        {"generation": str(manifest.get("generation", 0))}))
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
     atomic_write_bytes(root / RUNS_FILE, sink.getvalue().to_pybytes())
