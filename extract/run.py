@@ -442,6 +442,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: 
                                    "counted": settings.special_tokens},
                 "max_length": max_window(loaded, settings)}
         written: list[str] = []
+        entries: list[dict] = []
         try:
             params_files = write_params(root, loaded, run_id)
             written += params_files.values()
@@ -474,9 +475,11 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: 
                     log(f"warning: {source.name}: {result.nonfinite} NaN/inf activations counted and excluded")
             merge.commit(root, entries)  # the partials and their merged tables, in one manifest write
         except BaseException:
-            for rel in written:
-                with contextlib.suppress(FileNotFoundError):
-                    (root / rel).unlink()
+            committed = merge.committed_files(root, entries)
+            for rel in written:  # files of a commit that did not happen (never of one that did)
+                if rel not in committed:
+                    with contextlib.suppress(FileNotFoundError):
+                        (root / rel).unlink()
             raise
         finally:
             del loaded

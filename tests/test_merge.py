@@ -427,3 +427,21 @@ def test_companions_written_out_of_order_are_rewritten(tmp_path):
     assert con.execute("SELECT count(*) FROM runs WHERE kind = 'data'").fetchone()[0] == 2
     con.close()
     assert json.loads((root / store.MANIFEST).read_text())["generation"] == 2
+
+
+def test_an_interrupt_after_the_record_keeps_the_commit(tmp_path, monkeypatch):
+    """Ctrl-C while the companions are written: the record exists, so its files must stay."""
+    rng = np.random.default_rng(19)
+    root = tmp_path / "wh"
+    entries = [_partial(root, rng, "s0", "1-of-1")]
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "write_companions", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        merge.commit(root, entries)
+    monkeypatch.undo()
+    assert store.read_manifest(root)["generation"] == 1
+    check_against(root, oracle(root, entries))
+    assert validate(root) == []

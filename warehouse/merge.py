@@ -563,6 +563,22 @@ def discard(root: Path, entries: list[dict]) -> None:
                 (Path(root) / rel).unlink()
 
 
+def committed_files(root: Path, entries: list[dict]) -> set[str]:
+    """The files of those `entries` that the current state lists (their record was created)."""
+    try:
+        live = store.read_manifest(root)["entries"]
+    except Exception:  # unreadable state: treat nothing as committed only if nothing can be read
+        return {f for e in entries for f in e["files"].values()}
+    return {f for e in entries if live.get(e["key"], {}).get("run_id") == e["run_id"] for f in e["files"].values()}
+
+
+def _discard_unless_committed(root: Path, entries: list[dict]) -> None:
+    """After an exception around publishing: remove the entries' new files unless the record that
+    lists them was created (an interrupt while writing the companions comes after it)."""
+    keep = committed_files(root, entries)
+    discard(root, [{**e, "files": {t: f for t, f in e["files"].items() if f not in keep}} for e in entries])
+
+
 def _pairs_touched(records: list[dict]) -> set[tuple[str, str]]:
     out = {(e["model"], e["checkpoint"]) for r in records for e in r["put"]}
     return out | {tuple(json.loads(k)[1:3]) for r in records for k in r["remove"]}
@@ -595,7 +611,7 @@ def commit(root: Path, entries: list[dict], max_tries: int = 1000) -> list[str]:
             faults.hit("merge")  # merged files written, commit record not yet
             stale = store.publish(root, seq, manifest, entries + merged)
         except BaseException:
-            discard(root, merged)
+            _discard_unless_committed(root, merged)
             raise
         if stale is not None:
             return stale
@@ -618,7 +634,7 @@ def _publish_retrying(root: Path, make) -> object:
         try:
             ok = store.publish(root, seq, manifest, entries, remove)
         except BaseException:
-            discard(root, [e for e in entries if e["kind"] == "merged" and not e.get("compacted")])
+            _discard_unless_committed(root, [e for e in entries if e["kind"] == "merged" and not e.get("compacted")])
             raise
         if ok is not None:
             return result
