@@ -145,12 +145,18 @@ def test_replacing_a_partial_never_double_counts(tmp_path, small_chunks):
     assert validate(root) == []
 
 
-def test_validate_finds_a_wrong_merged_table_and_fixes_it(tmp_path):
-    rng = np.random.default_rng(3)
-    root = tmp_path / "wh"
+def _two_shards(root: Path, seed: int) -> list[dict]:
+    """Two shards of one source, committed one after the other."""
+    rng = np.random.default_rng(seed)
     entries = [_partial(root, rng, "s0", f"{k + 1}-of-2") for k in range(2)]
     for e in entries:
         merge.commit(root, [e])
+    return entries
+
+
+def test_validate_finds_a_wrong_merged_table_and_fixes_it(tmp_path):
+    root = tmp_path / "wh"
+    entries = _two_shards(root, 3)
     manifest = store.read_manifest(root)
     rel = manifest["entries"][merge.group_key("m", "c", "all")]["files"]["token_stats"]
     t = pq.read_table(root / rel)
@@ -398,11 +404,8 @@ def test_concurrent_commits_without_a_lock(tmp_path):
 
 
 def test_views_refuse_a_manifest_whose_merged_tables_are_stale(tmp_path):
-    rng = np.random.default_rng(13)
     root = tmp_path / "wh"
-    entries = [_partial(root, rng, "s0", f"{k + 1}-of-2") for k in range(2)]
-    for e in entries:
-        merge.commit(root, [e])
+    entries = _two_shards(root, 13)
     seq, manifest = store.read_state(root)
     assert store.publish(root, seq, manifest, [], remove=[merge.group_key("m", "c", "all")]) is not None
     with pytest.raises(UserError, match="merged tables do not match"):

@@ -71,14 +71,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def _durable_temp(path: Path, data: bytes) -> Path:
+    """`data` in a fsynced temporary file beside `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return tmp
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    os.replace(_durable_temp(path, data), path)
     _fsync_dir(path.parent)
 
 
@@ -242,12 +247,7 @@ def create_if_absent(path: Path, data: bytes) -> bool:
     """Write `data` to `path` unless it exists, atomically: readers see all of it or no file.  On a
     POSIX file system (local, NFS) a complete temporary file is hard-linked to the name — link()
     fails if the name exists — then the temporary name is removed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = _durable_temp(path, data)
     try:
         os.link(tmp, path)
     except FileExistsError:
