@@ -23,13 +23,12 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import run_script  # noqa: E402
-from warehouse import merge, schema, store  # noqa: E402
+from warehouse import merge, store  # noqa: E402
 
 QUERIES = {
     "avg_intra_sim": "SELECT * FROM avg_intra_sim",
@@ -44,11 +43,6 @@ QUERIES = {
     "drift": "SELECT * FROM drift",
     "intra_sentence_sim": "SELECT * FROM intra_sentence_sim",
 }
-
-
-def _list(M: np.ndarray) -> pa.ListArray:
-    m, d = M.shape
-    return pa.ListArray.from_arrays(pa.array(np.arange(0, (m + 1) * d, d, dtype=np.int32)), pa.array(M.reshape(-1)))
 
 
 def write_partial(root: Path, model: str, checkpoint: str, source: str, shard: str, layers: int, vocab: int,
@@ -74,7 +68,7 @@ def write_partial(root: Path, model: str, checkpoint: str, source: str, shard: s
             S = (U * (n[:, None] ** 0.8)).astype(np.float32)  # |Σû| between √n and n
             S64 = S.astype(np.float64)
             tok.write({**{k: [v] * len(ids) for k, v in key.items()}, "layer": np.full(len(ids), layer, np.int16),
-                       "token_id": ids, "n": n, "sum_sq": np.einsum("ij,ij->i", S64, S64), "vec": _list(S)})
+                       "token_id": ids, "n": n, "sum_sq": np.einsum("ij,ij->i", S64, S64), "vec": store.list_array(S)})
             total += S64.sum(0)
             n_total += int(n.sum())
         tokens = n_total

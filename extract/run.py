@@ -302,9 +302,8 @@ def write_sums(root: Path, loaded: Loaded, source: Source, settings: Settings, a
             total = np.zeros(loaded.d, dtype=np.float64)  # (d,)
             n_total = 0
             for ids, counts, S in acc.layer_rows(layer):  # (m,), (m,), (m, d) float64
-                m, d = S.shape
-                flat = pa.array(S.astype(vec_np).reshape(-1))
-                vec = pa.ListArray.from_arrays(pa.array(np.arange(0, (m + 1) * d, d, dtype=np.int32)), flat)
+                m = len(ids)
+                vec = store.list_array(S.astype(vec_np))
                 writers[0].write({
                     **{k: [v] * m for k, v in key.items()},
                     "layer": np.full(m, layer, np.int16), "token_id": ids.astype(np.int32),

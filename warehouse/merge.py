@@ -20,8 +20,9 @@ of token ids (memory O(chunk_rows · d) whatever V, L and the number of partials
 merged vectors and the partial are read once and the new merged files written once: time and I/O
 O((rows of the merged state + rows of the partial) · d), independent of how many partials came
 before.  Moments fold one layer at a time (memory O(d²)), the bottom-k sample one layer at a time
-(O(k·d)).  Replacing a partial re-merges its groups' samples from their partials (a bottom-k sample
-cannot be un-merged); everything else un-folds.
+(O(k·d)).  Replacing a partial un-folds its token and layer sums; its groups' moments and samples are
+re-merged from their partials (a bottom-k sample cannot be un-merged; a replacement is rare, and the
+moments then cost one read of the group's partials' d×d tables).
 
 Storage per group: token_stats ~12–20 B per (layer, token type) compressed; token_vectors 8·d B per
 (layer, token type) and moments_merged 16·d² B per layer until `compact` drops them.
@@ -148,14 +149,19 @@ def _matrix(table: pa.Table, d: int) -> np.ndarray:
     return flat.astype(np.float64, copy=False).reshape(table.num_rows, d)
 
 
-def _list_array(M: np.ndarray) -> pa.ListArray:
-    m, d = M.shape
-    return pa.ListArray.from_arrays(pa.array(np.arange(0, (m + 1) * d, d, dtype=np.int64).astype(np.int32)),
-                                    pa.array(M.reshape(-1)))
-
-
 def _rowdot(A: np.ndarray, B: np.ndarray) -> np.ndarray:
     return np.einsum("ij,ij->i", A, B)
+
+
+def _fold(S: np.ndarray, sq: np.ndarray, pos: np.ndarray, v: np.ndarray, sq_p: np.ndarray, sign: int) -> None:
+    """The merge algebra, in place on rows `pos` of S (m, d) and sq (m,), for partial sums v with
+    ‖v‖² = sq_p: fold (sign +1) sq += sq_p + 2⟨S, v⟩, S += v; un-fold (−1) S −= v, sq −= sq_p + 2⟨S, v⟩."""
+    if sign > 0:
+        sq[pos] += sq_p + 2 * _rowdot(S[pos], v)
+        S[pos] += v
+    else:
+        S[pos] -= v
+        sq[pos] -= sq_p + 2 * _rowdot(S[pos], v)
 
 
 class _TypeStats:
@@ -237,22 +243,11 @@ def _fold_tokens(root: Path, key: dict, old: dict | None, adds: list[dict], remo
                 S[pos] = _matrix(o_vecs, d)
                 n[pos] = o_stats.column("n").to_numpy()
                 sq[pos] = o_stats.column("sum_sq").to_numpy()
-            for t in r_parts:  # un-fold: S' = S − s_r; sum_sq' = sum_sq − sum_sq_r − 2⟨S', s_r⟩
-                if t is None:
-                    continue
-                pos = np.searchsorted(ids, t.column("token_id").to_numpy())
-                v = _matrix(t, d)
-                S[pos] -= v
-                sq[pos] -= t.column("sum_sq").to_numpy() + 2 * _rowdot(S[pos], v)
-                n[pos] -= t.column("n").to_numpy()
-            for t in a_parts:  # fold: sum_sq' = sum_sq + sum_sq_p + 2⟨S, s_p⟩; S' = S + s_p
-                if t is None:
-                    continue
-                pos = np.searchsorted(ids, t.column("token_id").to_numpy())
-                v = _matrix(t, d)
-                sq[pos] += t.column("sum_sq").to_numpy() + 2 * _rowdot(S[pos], v)
-                S[pos] += v
-                n[pos] += t.column("n").to_numpy()
+            for sign, parts in ((-1, r_parts), (1, a_parts)):  # un-fold the replaced, fold the new
+                for t in (t for t in parts if t is not None):
+                    pos = np.searchsorted(ids, t.column("token_id").to_numpy())
+                    _fold(S, sq, pos, _matrix(t, d), t.column("sum_sq").to_numpy(), sign)
+                    n[pos] += sign * t.column("n").to_numpy()
             if (n < 0).any():
                 raise UserError("merged counts went negative while un-merging a replaced partial: the merged "
                                 "tables do not match their partials (run `python cli.py validate --fix`)")
@@ -262,7 +257,7 @@ def _fold_tokens(root: Path, key: dict, old: dict | None, adds: list[dict], remo
                 continue
             lay = np.full(len(ids), layer, np.int16)
             writers["token_vectors"].write({k: [v] * len(ids) for k, v in key.items()} | {
-                "layer": lay, "token_id": ids.astype(np.int32), "vec": _list_array(S)})
+                "layer": lay, "token_id": ids.astype(np.int32), "vec": store.list_array(S)})
             for k, v in (("layer", lay), ("token_id", ids.astype(np.int32)), ("n", n), ("sum_sq", sq)):
                 pending[k].append(v)
             pending_rows += len(ids)
@@ -288,23 +283,20 @@ def _fold_layers(root: Path, old: dict | None, adds: list[dict], removes: list[d
     state: dict[int, dict] = {}
     if old is not None:
         for r in pq.read_table(root / old["files"]["layer_totals"]).to_pylist():
-            state[r["layer"]] = {**r, "vec": np.asarray(r["vec"]), **{k: np.asarray(r[k]) for k in _LAYER_VECS}}
+            state[r["layer"]] = {**r, **{k: np.asarray(r[k], np.float64) for k in ("vec", *_LAYER_VECS)}}
     for sign, entries in ((-1, removes), (1, adds)):
         for e in entries:
             for r in pq.read_table(root / e["files"]["layer_sums"]).to_pylist():
-                v = np.asarray(r["vec"])
+                v = np.asarray(r["vec"], np.float64)
                 st = state.get(r["layer"])
                 if st is None:
                     st = state[r["layer"]] = {
                         "layer": r["layer"], "layer_kind": r["layer_kind"], "n_layers": r["n_layers"],
                         "sum_sq": 0.0, "window_cos": 0.0, "vec": np.zeros_like(v),
                         **{k: 0 for k in _LAYER_INTS}, **{k: np.zeros_like(v) for k in _LAYER_VECS}}
-                if sign < 0:
-                    st["vec"] = st["vec"] - v
-                    st["sum_sq"] -= r["sum_sq"] + 2 * float(st["vec"] @ v)
-                else:
-                    st["sum_sq"] += r["sum_sq"] + 2 * float(st["vec"] @ v)
-                    st["vec"] = st["vec"] + v
+                sq = np.array([st["sum_sq"]])
+                _fold(st["vec"].reshape(1, -1), sq, np.array([0]), v[None], np.array([r["sum_sq"]]), sign)
+                st["sum_sq"] = float(sq[0])
                 for k in _LAYER_INTS:
                     st[k] += sign * r[k]
                 st["window_cos"] += sign * r["window_cos"]
@@ -344,25 +336,9 @@ def _moment_rows(table: pa.Table) -> Iterator[dict]:
                "s1": vec("s1"), "s2": vec("s2"), "s_cross": vec("s_cross")}
 
 
-def _moments_layer(root: Path, layer: int, old: dict | None, adds: list[dict], removes: list[dict]
-                   ) -> dict | None:
-    rows = lambda es, t: [r for e in es for r in _moment_rows(_read_layer(root / e["files"][t], layer))]  # noqa: E731
-    base = _moment_sum(rows([old], "moments_merged")) if old is not None else None
-    plus = _moment_sum(rows(adds, "moments"))
-    minus = _moment_sum(rows(removes, "moments"))
-    if base is None and plus is None:
-        return None
-    out = {"n": 0, "s1": 0.0, "s2": 0.0, "n_pair": None, "s_cross": None}
-    for sign, m in ((1, base), (1, plus), (-1, minus)):
-        if m is None:
-            continue
-        out["n"] += sign * m["n"]
-        out["s1"] = out["s1"] + sign * m["s1"]
-        out["s2"] = out["s2"] + sign * m["s2"]
-        if m["s_cross"] is not None:
-            out["n_pair"] = (out["n_pair"] or 0) + sign * m["n_pair"]
-            out["s_cross"] = (0.0 if out["s_cross"] is None else out["s_cross"]) + sign * m["s_cross"]
-    return out
+def _moments_layer(root: Path, layer: int, sources: list[tuple[dict, str]]) -> dict | None:
+    """The sum of the given moments tables (entry, table) at one layer (None: no rows)."""
+    return _moment_sum(r for e, t in sources for r in _moment_rows(_read_layer(root / e["files"][t], layer)))
 
 
 def _sample_layer(root: Path, layer: int, sources: list[tuple[dict, str]], k: int) -> pa.Table | None:
@@ -467,15 +443,15 @@ def _fold_derived(root: Path, old: dict | None, adds: list[dict], removes: list[
                   n_layers: int, out: _Writers) -> dict:
     """Merged moments and sample, and what the peers' measures make of them, layer by layer."""
     res = {"n": {}, "linearity": {}, "twonn": {}, "sample_k": None}
-    # moments: incremental when the old state holds them and nothing is removed; else from the members
+    # moments: the old merged ones plus the new partials' when nothing is removed; else from the members
     if all("moments" in e["files"] for e in members):
         if old is not None and "moments_merged" in old["files"] and not removes:
-            m_old, m_adds, m_rm = old, adds, []
+            sources = [(old, "moments_merged")] + [(e, "moments") for e in adds]
         else:
-            m_old, m_adds, m_rm = None, members, []
+            sources = [(e, "moments") for e in members]
         prev = None  # (layer, merged moments, covariance) of the layer before
         for layer in range(n_layers):
-            m = _moments_layer(root, layer, m_old, m_adds, m_rm)
+            m = _moments_layer(root, layer, sources)
             if m is None:
                 prev = None
                 continue
@@ -631,14 +607,15 @@ def _publish_retrying(root: Path, make) -> object:
         entries, remove, result = make(manifest)
         if not entries and not remove:
             return result
+        new = [e for e in entries if e["kind"] == "merged" and not e.get("compacted")]  # files written by make
         try:
             ok = store.publish(root, seq, manifest, entries, remove)
         except BaseException:
-            _discard_unless_committed(root, [e for e in entries if e["kind"] == "merged" and not e.get("compacted")])
+            _discard_unless_committed(root, new)
             raise
         if ok is not None:
             return result
-        discard(root, [e for e in entries if e["kind"] == "merged" and not e.get("compacted")])
+        discard(root, new)
 
 
 def expected_groups(manifest: dict) -> dict[str, tuple[str, str, str, list[dict]]]:
@@ -780,7 +757,3 @@ def _token_bytes(root: Path, manifest: dict, pairs: list[tuple[str, str]]) -> di
         if e["kind"] == "merged" and e["source"] == ALL:
             cells += pq.ParquetFile(root / e["files"]["token_stats"]).metadata.num_rows
     return {"bytes": total, "cells": cells, "bytes_per_cell": total / cells if cells else None}
-
-
-def iter_pairs(manifest: dict) -> Iterator[tuple[str, str]]:
-    yield from sorted(_data_by_pair(manifest))

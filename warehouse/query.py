@@ -119,13 +119,16 @@ def companions_current(root: Path, manifest: dict) -> bool:
             and store.companion_generations(root) == (gen, gen))
 
 
-def refresh_companions(root: Path) -> None:
-    """Rewrite runs.parquet and views.sql if a process died between the manifest and them."""
+def refresh_companions(root: Path) -> dict:
+    """Rewrite manifest.json, runs.parquet and views.sql if they are behind the commit log (a process
+    died between the record and them, or two writers' companions landed out of order); returns the
+    current manifest."""
     root = Path(root)
     manifest = store.read_manifest(root)
     if not companions_current(root, manifest):  # no lock: each file is replaced atomically
         store.write_companions(root, manifest)
         write_views_file(root, manifest)
+    return manifest
 
 
 def write_views_file(root: Path, manifest: dict | None = None) -> Path:
@@ -147,8 +150,7 @@ def connect(root: str | Path = "warehouse") -> duckdb.DuckDBPyConnection:
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root}: no such warehouse directory")
-    refresh_companions(root)
-    manifest = store.read_manifest(root)
+    manifest = refresh_companions(root)
     stale, extra = merge.stale_groups(manifest)
     if stale or extra:  # only a hand-edited manifest or a warehouse restored in parts gets here
         raise UserError(f"{root}: merged tables do not match the partials for {len(stale) + len(extra)} group(s); "

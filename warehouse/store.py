@@ -28,6 +28,7 @@ import socket
 from pathlib import Path
 from urllib.parse import quote
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -85,6 +86,12 @@ def _durable_temp(path: Path, data: bytes) -> Path:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(_durable_temp(path, data), path)
     _fsync_dir(path.parent)
+
+
+def list_array(M) -> pa.ListArray:
+    """Rows of a (m, d) numpy array as an Arrow list column (the vector columns' layout)."""
+    m, d = M.shape
+    return pa.ListArray.from_arrays(pa.array(np.arange(0, (m + 1) * d, d, dtype=np.int32)), pa.array(M.reshape(-1)))
 
 
 class TableWriter:
