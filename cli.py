@@ -20,7 +20,9 @@ typer.core.HAS_RICH = False  # usage errors as plain text: "Error: Invalid value
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Extract-then-query warehouse for the isotropy of transformer language models.")
 
-WAREHOUSE = typer.Option(Path("warehouse"), "--warehouse", "-w", help="Warehouse directory.")
+WAREHOUSE = typer.Option("warehouse", "--warehouse", "-w",
+                         help="Warehouse directory, or s3://bucket/prefix (endpoint, keys, region from AWS_ENDPOINT_URL, "
+                              "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION).")
 
 
 def fail(message: str) -> None:
@@ -49,7 +51,7 @@ def extract(
     checkpoint: Optional[List[str]] = typer.Option(None, "--checkpoint", "-c", help="Revision(s), e.g. step143000 (repeatable). Default: the final weights ('main')."),
     checkpoints: Optional[str] = typer.Option(None, "--checkpoints", help="COUNT evenly spaced Pythia steps (21 = the paper's); for a local directory COUNT evenly spaced of its stepN sub-directories, or 'all'."),
     source: Optional[List[str]] = typer.Option(None, "--source", "-s", help="NAME=PATH (.txt, .jsonl, .jsonl.zst, .json.gz, .parquet); repeatable."),
-    warehouse: Path = WAREHOUSE,
+    warehouse: str = WAREHOUSE,
     unit: str = typer.Option("document", help="document | sentence (the paper's unit; pysbd splits)."),
     max_length: Optional[int] = typer.Option(None, help="Tokens per window (default: the model's context)."),
     max_tokens: Optional[int] = typer.Option(None, help="Stop each source after N tokens."),
@@ -141,7 +143,7 @@ def _clean(v):
 @app.command()
 def sql(
     query: str = typer.Argument(..., help="SQL over the views (inter_sim, intra_sim, avg_intra_sim, isotropy, layernorm, …)."),
-    warehouse: Path = WAREHOUSE,
+    warehouse: str = WAREHOUSE,
     format: str = typer.Option("table", "--format", "-f", help="table | csv | json"),
 ):
     """Query the warehouse with DuckDB.
@@ -181,17 +183,17 @@ def sql(
 
 
 @app.command()
-def validate(warehouse: Path = WAREHOUSE, fix: bool = typer.Option(False, "--fix", help="Remove orphaned files, re-merge stale or wrong merged tables, rewrite views.sql.")):
+def validate(warehouse: str = WAREHOUSE, fix: bool = typer.Option(False, "--fix", help="Remove orphaned files, re-merge stale or wrong merged tables, rewrite views.sql.")):
     """Check every file of the warehouse against the schema and the manifest, and every merged
     table against a fresh merge of its partials.
 
     Example: python cli.py validate --warehouse warehouse --fix
     """
+    from warehouse.storage import open_storage
     from warehouse.validate import validate as run_validate
 
     try:
-        if not warehouse.is_dir():
-            raise UserError(f"{warehouse}: no such warehouse directory")
+        open_storage(warehouse, must_exist=True)
         problems = run_validate(warehouse, fix)
     except UserError as e:
         fail(str(e))
@@ -205,7 +207,7 @@ def validate(warehouse: Path = WAREHOUSE, fix: bool = typer.Option(False, "--fix
 
 @app.command()
 def compact(
-    warehouse: Path = WAREHOUSE,
+    warehouse: str = WAREHOUSE,
     model: Optional[str] = typer.Option(None, help="Only this model (default: every model)."),
     checkpoint: Optional[str] = typer.Option(None, help="Only this checkpoint (default: every checkpoint)."),
 ):
@@ -217,10 +219,10 @@ def compact(
     """
     from warehouse.merge import compact as run_compact
     from warehouse.query import refresh_companions
+    from warehouse.storage import open_storage
 
     try:
-        if not warehouse.is_dir():
-            raise UserError(f"{warehouse}: no such warehouse directory")
+        open_storage(warehouse, must_exist=True)
         res = run_compact(warehouse, model, checkpoint)
         refresh_companions(warehouse)
     except UserError as e:
@@ -232,19 +234,42 @@ def compact(
 
 
 @app.command()
-def views(warehouse: Path = WAREHOUSE):
+def views(warehouse: str = WAREHOUSE):
     """Rewrite WAREHOUSE/views.sql, the DuckDB shell's init file (e.g. after moving the warehouse).
 
     Example: python cli.py views --warehouse warehouse && duckdb -init warehouse/views.sql
     """
     from warehouse.query import write_views_file
+    from warehouse.storage import open_storage
 
     try:
-        if not warehouse.is_dir():
-            raise UserError(f"{warehouse}: no such warehouse directory")
+        open_storage(warehouse, must_exist=True)
         typer.echo(str(write_views_file(warehouse)))
     except UserError as e:
         fail(str(e))
+
+
+@app.command()
+def pull(
+    warehouse: str = WAREHOUSE,
+    to: Path = typer.Option(..., "--to", help="A new local directory for the copy."),
+    model: Optional[str] = typer.Option(None, help="Only this model (default: every model)."),
+    checkpoint: Optional[str] = typer.Option(None, help="Only this checkpoint (default: every checkpoint)."),
+    full: bool = typer.Option(False, "--full", help="Copy every file (a mirror that takes new partials), not only what the views read."),
+):
+    """Copy a warehouse (e.g. on S3) into a new local directory, for the DuckDB shell without httpfs
+    or for working offline.  By default only what the views read (~42 B per layer and token type).
+
+    Example: python cli.py pull --warehouse s3://bucket/pythia --to local-copy && duckdb -init local-copy/views.sql
+    """
+    from warehouse.pull import pull as run_pull
+
+    try:
+        res = run_pull(warehouse, to, model, checkpoint, full)
+    except UserError as e:
+        fail(str(e))
+    typer.echo(f"copied {res['entries']} entries ({res['files']} files, {res['bytes']} bytes) to {to}; "
+               f"open with: duckdb -init {to / 'views.sql'}", err=True)
 
 
 @app.command()
@@ -313,7 +338,7 @@ def demo(
 
 @app.command()
 def report(
-    warehouse: Path = WAREHOUSE,
+    warehouse: str = WAREHOUSE,
     out: Path = typer.Option(Path("reports"), "--out", "-o", help="Output directory."),
     model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="Only these models (repeatable)."),
     checkpoint: Optional[List[str]] = typer.Option(None, "--checkpoint", "-c", help="Only these checkpoints (repeatable)."),
@@ -333,5 +358,15 @@ def report(
     typer.echo(f"{len(result.drawn)} of {len(result.figures)} figures drawn: {out / 'index.html'}", err=True)
 
 
+def main() -> None:
+    """Run the app; an I/O failure that no command turned into a message (a disk or a store failing
+    mid-run) still ends in one line and exit code 2."""
+    try:
+        app()
+    except OSError as e:
+        typer.echo(f"error: {' '.join(str(e).split())[:400] or type(e).__name__}", err=True)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
-    app()
+    main()

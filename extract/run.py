@@ -26,6 +26,7 @@ from tqdm import tqdm
 from common import faults
 from common.errors import UserError
 from warehouse import merge, query, schema, store
+from warehouse.storage import open_storage
 
 from .accumulate import Moments, Sample, TokenSums
 from .architectures import get_module
@@ -277,7 +278,7 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
         raise
 
 
-def write_sums(root: Path, loaded: Loaded, source: Source, settings: Settings, acc: TokenSums,
+def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: TokenSums,
                run_id: str) -> dict[str, str]:
     """token_sums and layer_sums of one (checkpoint, source, shard), one Parquet file each,
     written in chunks of token types (memory bounded whatever V and d are)."""
@@ -354,7 +355,7 @@ def write_sums(root: Path, loaded: Loaded, source: Source, settings: Settings, a
         raise
 
 
-def write_params(root: Path, loaded: Loaded, run_id: str) -> dict[str, str]:
+def write_params(root, loaded: Loaded, run_id: str) -> dict[str, str]:
     values = {"model": loaded.ref.name, "checkpoint": loaded.checkpoint}
     key = {**values, "step": loaded.step}
     files = {}
@@ -408,9 +409,9 @@ def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settin
     return all(entry["settings"].get(k) == want[k] for k in RESULT_SETTINGS)
 
 
-def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: Path,
+def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
             settings: Settings, log=print) -> list[SourceResult]:
-    root = Path(root)
+    root = open_storage(root)  # a directory or s3://bucket/prefix; S3 is probed here, before any model loads
     limit_malloc_arenas()
     dtype = DTYPES[settings.dtype]
     check_dtype(dtype, settings.device)
@@ -477,8 +478,8 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root: 
             committed = merge.committed_files(root, entries)
             for rel in written:  # files of a commit that did not happen (never of one that did)
                 if rel not in committed:
-                    with contextlib.suppress(FileNotFoundError):
-                        (root / rel).unlink()
+                    with contextlib.suppress(Exception):  # a storage fault: an orphan for validate --fix
+                        root.delete(rel)
             raise
         finally:
             del loaded

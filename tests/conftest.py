@@ -52,3 +52,42 @@ def run_cli(*args: str):
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
     return result.exit_code, result.stdout, result.stderr
+
+
+# ---------------------------------------------------------------- one extract, and its views compared
+
+VIEWS = ["inter_sim", "inter_sim_by_source", "intra_sim", "avg_intra_sim", "inter_sim_by_frequency",
+         "dim_contrib", "drift", "intra_sentence_sim", "anisotropy", "linearity", "inter_sim_types"]
+
+
+def views(wh) -> dict:
+    from warehouse.query import connect
+
+    con = connect(wh)
+    out = {v: sorted(con.execute(f"SELECT * FROM {v}").fetchall()) for v in VIEWS}
+    out["shards"] = sorted(con.execute("SELECT checkpoint, source, shard FROM runs WHERE kind = 'data'").fetchall())
+    con.close()
+    return out
+
+
+def same_numbers(a: dict, b: dict, tol: float = 1e-6) -> None:
+    """Equal rows; floats to `tol` (float32-stored vectors of split tokens merge to ~1e-8)."""
+    for v in VIEWS:
+        assert len(a[v]) == len(b[v]), v
+        for r, s in zip(a[v], b[v]):
+            for x, y in zip(r, s):
+                if isinstance(x, float) and isinstance(y, float):
+                    assert abs(x - y) <= tol * max(1.0, abs(y)), (v, r, s)
+                else:
+                    assert x == y, (v, r, s)
+
+
+@pytest.fixture(scope="session")
+def single(workdir, sources, model_factory):
+    model = model_factory("gpt_neox", tied=False)
+    args = ["--model", str(model), "--source", f"alpha={sources['alpha']}", "--source", f"beta={sources['beta']}",
+            "--max-length", "32", "--batch-size", "2", "--moments"]
+    wh = workdir / "scale-single"
+    code, _, err = run_cli("extract", *args, "--warehouse", wh)
+    assert code == 0, err
+    return {"args": args, "wh": wh, "views": views(wh)}

@@ -289,13 +289,18 @@ def test_kill_9_during_compaction(moments_wh, workdir, point, after):
 
 LAYERS = {  # module → the project modules it may import
     "common": set(),
+    "warehouse.storage": {"common"},
     "warehouse.schema": {"common"},
     "warehouse.measures": set(),
-    "warehouse.store": {"common", "warehouse.schema"},
-    "warehouse.merge": {"common", "warehouse.schema", "warehouse.store", "warehouse.measures"},
-    "warehouse.query": {"common", "warehouse.schema", "warehouse.store", "warehouse.merge"},
-    "warehouse.validate": {"common", "warehouse.schema", "warehouse.store", "warehouse.merge", "warehouse.query"},
-    "warehouse.report": {"common", "warehouse.schema", "warehouse.store", "warehouse.query", "warehouse.measures"},
+    "warehouse.store": {"common", "warehouse.storage", "warehouse.schema"},
+    "warehouse.merge": {"common", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.measures"},
+    "warehouse.query": {"common", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge"},
+    "warehouse.validate": {"common", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge",
+                           "warehouse.query"},
+    "warehouse.pull": {"common", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge",
+                       "warehouse.query"},
+    "warehouse.report": {"common", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.query",
+                         "warehouse.measures"},
 }
 
 

@@ -11,33 +11,8 @@ import sys
 import pytest
 
 from common.errors import UserError
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, same_numbers, views
 from extract.launch import Launch, detect, device_for
-from warehouse.query import connect
-
-VIEWS = ["inter_sim", "inter_sim_by_source", "intra_sim", "avg_intra_sim", "inter_sim_by_frequency",
-         "dim_contrib", "drift", "intra_sentence_sim", "anisotropy", "linearity", "inter_sim_types"]
-
-
-def views(wh) -> dict:
-    con = connect(wh)
-    out = {v: sorted(con.execute(f"SELECT * FROM {v}").fetchall()) for v in VIEWS}
-    out["shards"] = sorted(con.execute("SELECT checkpoint, source, shard FROM runs WHERE kind = 'data'").fetchall())
-    con.close()
-    return out
-
-
-def same_numbers(a: dict, b: dict, tol: float = 1e-6) -> None:
-    """Equal rows; floats to `tol` (float32-stored vectors of split tokens merge to ~1e-8)."""
-    for v in VIEWS:
-        assert len(a[v]) == len(b[v]), v
-        for r, s in zip(a[v], b[v]):
-            for x, y in zip(r, s):
-                if isinstance(x, float) and isinstance(y, float):
-                    assert abs(x - y) <= tol * max(1.0, abs(y)), (v, r, s)
-                else:
-                    assert x == y, (v, r, s)
-
 
 def test_detect_shard_from_the_environment():
     assert detect(None, {}) == Launch((1, 1), "single")
@@ -53,17 +28,6 @@ def test_detect_shard_from_the_environment():
         detect(None, {"SLURM_ARRAY_TASK_ID": "9", "SLURM_ARRAY_TASK_COUNT": "8"})
     with pytest.raises(UserError, match="not an integer"):
         detect(None, {"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
-
-
-@pytest.fixture(scope="session")
-def single(workdir, sources, model_factory):
-    model = model_factory("gpt_neox", tied=False)
-    args = ["--model", str(model), "--source", f"alpha={sources['alpha']}", "--source", f"beta={sources['beta']}",
-            "--max-length", "32", "--batch-size", "2", "--moments"]
-    wh = workdir / "scale-single"
-    code, _, err = run_cli("extract", *args, "--warehouse", wh)
-    assert code == 0, err
-    return {"args": args, "wh": wh, "views": views(wh)}
 
 
 def torchrun(args, wh, env_extra=None, timeout=600):

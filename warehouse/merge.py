@@ -35,17 +35,16 @@ import json
 import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from common import faults
 from common.errors import UserError
 
 from . import schema, store
+from .storage import Storage, open_storage
 from .measures import (covariance, cross_covariance, linearity_from_cov, similarities_from_cov, twonn_microscope,
                        twonn_skdim)
 
@@ -99,10 +98,10 @@ class _Sorted:
     """Rows of a Parquet file sorted by (layer, token_id), handed out by key ranges; reads
     `batch_rows` rows at a time (memory bounded whatever the file's size)."""
 
-    def __init__(self, path: Path, columns: list[str], batch_rows: int):
+    def __init__(self, st: Storage, rel: str, columns: list[str], batch_rows: int):
         # pre_buffer=False: with pre-buffering, iter_batches kept every row group read so far in
         # Arrow's pool (measured: RSS grew by the whole file, 2 GB for a 1.7 GB partial)
-        self._file = pq.ParquetFile(path, pre_buffer=False)
+        self._file = st.parquet_file(rel, pre_buffer=False)
         self._batches = self._file.iter_batches(batch_size=batch_rows, columns=columns)
         self._buf: pa.Table | None = None
         self._keys = np.empty(0, np.int64)
@@ -190,7 +189,7 @@ class _TypeStats:
             acc[2] += S[sel].sum(0)
 
 
-def _fold_tokens(root: Path, key: dict, old: dict | None, adds: list[dict], removes: list[dict], d: int,
+def _fold_tokens(st: Storage, key: dict, old: dict | None, adds: list[dict], removes: list[dict], d: int,
                  writers: dict) -> _TypeStats:
     """Stream the group's merged token state, the partials to remove and the partials to add, chunk
     by chunk of token ids, into new token_stats / token_vectors files; returns the type statistics."""
@@ -199,12 +198,12 @@ def _fold_tokens(root: Path, key: dict, old: dict | None, adds: list[dict], remo
     try:
         old_stats = old_vecs = None
         if old is not None:
-            old_stats = _Sorted(root / old["files"]["token_stats"], ["layer", "token_id", "n", "sum_sq"], chunk_rows)
-            old_vecs = _Sorted(root / old["files"]["token_vectors"], ["layer", "token_id", "vec"], chunk_rows)
+            old_stats = _Sorted(st, old["files"]["token_stats"], ["layer", "token_id", "n", "sum_sq"], chunk_rows)
+            old_vecs = _Sorted(st, old["files"]["token_vectors"], ["layer", "token_id", "vec"], chunk_rows)
             streams += [old_stats, old_vecs]
         cols = ["layer", "token_id", "n", "sum_sq", "vec"]
-        rms = [_Sorted(root / e["files"]["token_sums"], cols, chunk_rows) for e in removes]
-        ads = [_Sorted(root / e["files"]["token_sums"], cols, chunk_rows) for e in adds]
+        rms = [_Sorted(st, e["files"]["token_sums"], cols, chunk_rows) for e in removes]
+        ads = [_Sorted(st, e["files"]["token_sums"], cols, chunk_rows) for e in adds]
         streams += rms + ads
         stats = _TypeStats(d)
         pending: dict[str, list] = defaultdict(list)
@@ -278,38 +277,38 @@ _LAYER_INTS = ("n", "n_nonfinite", "n_zero", "windows")
 _LAYER_VECS = ("sum_h", "sum_u2")
 
 
-def _fold_layers(root: Path, old: dict | None, adds: list[dict], removes: list[dict]) -> dict[int, dict]:
+def _fold_layers(st: Storage, old: dict | None, adds: list[dict], removes: list[dict]) -> dict[int, dict]:
     """layer_totals of the group: the old ones, minus the removed partials' layer_sums, plus the added."""
     state: dict[int, dict] = {}
     if old is not None:
-        for r in pq.read_table(root / old["files"]["layer_totals"]).to_pylist():
+        for r in st.read_table(old["files"]["layer_totals"]).to_pylist():
             state[r["layer"]] = {**r, **{k: np.asarray(r[k], np.float64) for k in ("vec", *_LAYER_VECS)}}
     for sign, entries in ((-1, removes), (1, adds)):
         for e in entries:
-            for r in pq.read_table(root / e["files"]["layer_sums"]).to_pylist():
+            for r in st.read_table(e["files"]["layer_sums"]).to_pylist():
                 v = np.asarray(r["vec"], np.float64)
-                st = state.get(r["layer"])
-                if st is None:
-                    st = state[r["layer"]] = {
+                tot = state.get(r["layer"])
+                if tot is None:
+                    tot = state[r["layer"]] = {
                         "layer": r["layer"], "layer_kind": r["layer_kind"], "n_layers": r["n_layers"],
                         "sum_sq": 0.0, "window_cos": 0.0, "vec": np.zeros_like(v),
                         **{k: 0 for k in _LAYER_INTS}, **{k: np.zeros_like(v) for k in _LAYER_VECS}}
-                sq = np.array([st["sum_sq"]])
-                _fold(st["vec"].reshape(1, -1), sq, np.array([0]), v[None], np.array([r["sum_sq"]]), sign)
-                st["sum_sq"] = float(sq[0])
+                sq = np.array([tot["sum_sq"]])
+                _fold(tot["vec"].reshape(1, -1), sq, np.array([0]), v[None], np.array([r["sum_sq"]]), sign)
+                tot["sum_sq"] = float(sq[0])
                 for k in _LAYER_INTS:
-                    st[k] += sign * r[k]
-                st["window_cos"] += sign * r["window_cos"]
+                    tot[k] += sign * r[k]
+                tot["window_cos"] += sign * r["window_cos"]
                 for k in _LAYER_VECS:
-                    st[k] = st[k] + sign * np.asarray(r[k])
+                    tot[k] = tot[k] + sign * np.asarray(r[k])
     return state
 
 
 # ---------------------------------------------------------------- moments and samples
 
 
-def _read_layer(path: Path, layer: int, columns=None) -> pa.Table:
-    return pq.read_table(path, columns=columns, filters=[("layer", "=", layer)])
+def _read_layer(st: Storage, rel: str, layer: int, columns=None) -> pa.Table:
+    return st.read_table(rel, columns=columns, filters=[("layer", "=", layer)])
 
 
 def _moment_sum(rows: Iterable[dict]) -> dict | None:
@@ -336,15 +335,15 @@ def _moment_rows(table: pa.Table) -> Iterator[dict]:
                "s1": vec("s1"), "s2": vec("s2"), "s_cross": vec("s_cross")}
 
 
-def _moments_layer(root: Path, layer: int, sources: list[tuple[dict, str]]) -> dict | None:
+def _moments_layer(st: Storage, layer: int, sources: list[tuple[dict, str]]) -> dict | None:
     """The sum of the given moments tables (entry, table) at one layer (None: no rows)."""
-    return _moment_sum(r for e, t in sources for r in _moment_rows(_read_layer(root / e["files"][t], layer)))
+    return _moment_sum(r for e, t in sources for r in _moment_rows(_read_layer(st, e["files"][t], layer)))
 
 
-def _sample_layer(root: Path, layer: int, sources: list[tuple[dict, str]], k: int) -> pa.Table | None:
+def _sample_layer(st: Storage, layer: int, sources: list[tuple[dict, str]], k: int) -> pa.Table | None:
     """The bottom-k (by key) of the union of the given samples at one layer."""
     cols = ["key", "document", "position", "token_id", "vec"]
-    parts = [_read_layer(root / e["files"][t], layer, cols) for e, t in sources]
+    parts = [_read_layer(st, e["files"][t], layer, cols) for e, t in sources]
     parts = [p for p in parts if p.num_rows]
     if not parts:
         return None
@@ -359,15 +358,15 @@ def _sample_layer(root: Path, layer: int, sources: list[tuple[dict, str]], k: in
 class _Writers:
     """The group's output files, aborted together unless all close."""
 
-    def __init__(self, root: Path, key: dict, run_id: str):
-        self.root, self.key, self.run_id = root, key, run_id
+    def __init__(self, st: Storage, key: dict, run_id: str):
+        self.st, self.key, self.run_id = st, key, run_id
         self.open: dict[str, store.TableWriter] = {}
         self.files: dict[str, str] = {}
 
     def __getitem__(self, table: str) -> store.TableWriter:
         if table not in self.open:
             values = {k: self.key[k] for k in schema.MERGED_PARTITIONS}
-            self.open[table] = store.TableWriter(self.root, table, values, self.run_id)
+            self.open[table] = store.TableWriter(self.st, table, values, self.run_id)
         return self.open[table]
 
     def rows(self, table: str, cols: dict) -> None:
@@ -383,22 +382,23 @@ class _Writers:
         for w in self.open.values():
             w.abort()
         for rel in self.files.values():
-            with contextlib.suppress(FileNotFoundError):
-                (self.root / rel).unlink()
+            with contextlib.suppress(Exception):  # a storage fault: left as an orphan for validate --fix
+                self.st.delete(rel)
 
 
-def fold_group(root: Path, model: str, checkpoint: str, group: str, old: dict | None, adds: list[dict],
-               removes: list[dict], members: list[dict]) -> dict:
+def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, adds: list[dict],
+               removes: list[dict], members: list[dict], dest=None) -> dict:
     """Write the merged files of one group after removing `removes` and adding `adds` to the state of
     its merged entry `old` (None: from nothing), and return the new merged entry.  `members` are the
-    group's data entries afterwards."""
-    root = Path(root)
+    group's data entries afterwards.  The files are read from `root` and written to `dest` (default:
+    the same warehouse)."""
+    st = open_storage(root)
     step, d = members[0]["step"], members[0]["hidden_size"]
     key = {"model": model, "checkpoint": checkpoint, "step": step, "source": group}
-    out = _Writers(root, key, store.new_run_id())
+    out = _Writers(open_storage(dest) if dest is not None else st, key, store.new_run_id())
     try:
-        types = _fold_tokens(root, key, old, adds, removes, d, out)
-        layers = _fold_layers(root, old, adds, removes)
+        types = _fold_tokens(st, key, old, adds, removes, d, out)
+        layers = _fold_layers(st, old, adds, removes)
         if layers:
             cols = [f.name for f in schema.LAYER_TOTALS if f.name not in key]
             out.rows("layer_totals", {c: [(layers[l][c].tolist() if isinstance(layers[l][c], np.ndarray)
@@ -410,7 +410,7 @@ def fold_group(root: Path, model: str, checkpoint: str, group: str, old: dict | 
                 "types": [v[0] for _, v in buckets], "n": [v[1] for _, v in buckets],
                 "sum_sq": [float(v[2] @ v[2]) for _, v in buckets]})
         n_layers = max((r["n_layers"] for r in layers.values()), default=0)
-        derived = _fold_derived(root, old, adds, removes, members, n_layers, out)
+        derived = _fold_derived(st, old, adds, removes, members, n_layers, out)
         metrics = defaultdict(list)
         for layer in sorted(set(layers) | set(derived["n"])):
             metrics["layer"].append(layer)
@@ -439,7 +439,7 @@ def fold_group(root: Path, model: str, checkpoint: str, group: str, old: dict | 
     }
 
 
-def _fold_derived(root: Path, old: dict | None, adds: list[dict], removes: list[dict], members: list[dict],
+def _fold_derived(st: Storage, old: dict | None, adds: list[dict], removes: list[dict], members: list[dict],
                   n_layers: int, out: _Writers) -> dict:
     """Merged moments and sample, and what the peers' measures make of them, layer by layer."""
     res = {"n": {}, "linearity": {}, "twonn": {}, "sample_k": None}
@@ -451,7 +451,7 @@ def _fold_derived(root: Path, old: dict | None, adds: list[dict], removes: list[
             sources = [(e, "moments") for e in members]
         prev = None  # (layer, merged moments, covariance) of the layer before
         for layer in range(n_layers):
-            m = _moments_layer(root, layer, sources)
+            m = _moments_layer(st, layer, sources)
             if m is None:
                 prev = None
                 continue
@@ -491,7 +491,7 @@ def _fold_derived(root: Path, old: dict | None, adds: list[dict], removes: list[
         else:
             sources = [(e, "samples") for e in members]
         for layer in range(n_layers):
-            t = _sample_layer(root, layer, sources, k)
+            t = _sample_layer(st, layer, sources, k)
             if t is None:
                 continue
             out.rows("samples_merged", {"layer": np.full(t.num_rows, layer, np.int16),
@@ -506,7 +506,7 @@ def _fold_derived(root: Path, old: dict | None, adds: list[dict], removes: list[
 # ---------------------------------------------------------------- commit, rebuild, compact
 
 
-def fold(root: Path, manifest: dict, data: list[dict]) -> list[dict]:
+def fold(root, manifest: dict, data: list[dict]) -> list[dict]:
     """New merged entries for every group the data entries `data` touch (they may replace entries of
     the same key in `manifest`); their files are written, not yet committed."""
     by_pair = defaultdict(list)
@@ -532,14 +532,17 @@ def fold(root: Path, manifest: dict, data: list[dict]) -> list[dict]:
     return out
 
 
-def discard(root: Path, entries: list[dict]) -> None:
+def discard(root, entries: list[dict]) -> None:
+    """Remove the entries' files (uncommitted ones); a storage fault leaves them as orphans, which are
+    invisible and removed by `validate --fix`."""
+    st = open_storage(root)
     for e in entries:
         for rel in e["files"].values():
-            with contextlib.suppress(FileNotFoundError):
-                (Path(root) / rel).unlink()
+            with contextlib.suppress(Exception):
+                st.delete(rel)
 
 
-def committed_files(root: Path, entries: list[dict]) -> set[str]:
+def committed_files(root, entries: list[dict]) -> set[str]:
     """The files of those `entries` that the current state lists (their record was created)."""
     try:
         live = store.read_manifest(root)["entries"]
@@ -548,7 +551,7 @@ def committed_files(root: Path, entries: list[dict]) -> set[str]:
     return {f for e in entries if live.get(e["key"], {}).get("run_id") == e["run_id"] for f in e["files"].values()}
 
 
-def _discard_unless_committed(root: Path, entries: list[dict]) -> None:
+def _discard_unless_committed(root, entries: list[dict]) -> None:
     """After an exception around publishing: remove the entries' new files unless the record that
     lists them was created (an interrupt while writing the companions comes after it)."""
     keep = committed_files(root, entries)
@@ -560,12 +563,12 @@ def _pairs_touched(records: list[dict]) -> set[tuple[str, str]]:
     return out | {tuple(json.loads(k)[1:3]) for r in records for k in r["remove"]}
 
 
-def commit(root: Path, entries: list[dict], max_tries: int = 1000) -> list[str]:
+def commit(root, entries: list[dict], max_tries: int = 1000) -> list[str]:
     """Publish params and data entries together with the merged entries of every group they touch,
     in one commit record; returns the files no entry lists any more (deleted).  No lock: when
     another writer committed first, the merged files are folded again on top of its state if it
     touched the same (model, checkpoint), else the same files are published on top of it."""
-    root = Path(root)
+    root = open_storage(root)
     data = [e for e in entries if e["kind"] == "data"]
     pairs = {(e["model"], e["checkpoint"]) for e in data}
     seq, manifest = store.read_state(root)
@@ -599,7 +602,7 @@ def commit(root: Path, entries: list[dict], max_tries: int = 1000) -> list[str]:
     raise UserError(f"{root}: gave up committing after {max_tries} tries (other writers kept committing first)")
 
 
-def _publish_retrying(root: Path, make) -> object:
+def _publish_retrying(root, make) -> object:
     """Run make(manifest) → (entries, remove, result) and publish it; on a lost race, discard its new
     entries' files and run it again on the newer state."""
     while True:
@@ -636,10 +639,10 @@ def stale_groups(manifest: dict) -> tuple[list[str], list[str]]:
     return stale, [k for k in have if k not in want]
 
 
-def rebuild(root: Path, keys: list[str] | None = None) -> int:
+def rebuild(root, keys: list[str] | None = None) -> int:
     """Re-merge the given groups (default: every stale one) from their partials and commit them;
     returns how many were rebuilt.  Compacted checkpoints cannot be rebuilt (their vectors are gone)."""
-    root = Path(root)
+    root = open_storage(root)
 
     def make(manifest):
         stale, extra = stale_groups(manifest)
@@ -661,19 +664,21 @@ def rebuild(root: Path, keys: list[str] | None = None) -> int:
     return _publish_retrying(root, make)
 
 
-def _table(root: Path, rel: str | None, columns: list[str]) -> pa.Table | None:
-    return pq.read_table(root / rel, columns=columns) if rel else None
+def _table(st: Storage, rel: str | None, columns: list[str]) -> pa.Table | None:
+    return st.read_table(rel, columns=columns) if rel else None
 
 
-def check(root: Path, manifest: dict, rtol: float = 1e-9) -> list[tuple[str, str]]:
+def check(root, manifest: dict, rtol: float = 1e-9) -> list[tuple[str, str]]:
     """(merged key, problem) for groups that are stale or left over, or whose token_stats /
     layer_totals differ from a fresh merge of their partials (sum_sq by more than rtol relative);
-    compacted groups: layer counts against the partials' layer_sums."""
-    root = Path(root)
+    compacted groups: layer counts against the partials' layer_sums.  The fresh merges are written
+    to a local temporary directory."""
+    root = open_storage(root)
     stale, extra = stale_groups(manifest)
     problems = [(k, f"merged tables of {k} are out of date (--fix re-merges them)") for k in stale]
     problems += [(k, f"merged entry {k} has no partials left (--fix removes it)") for k in extra]
-    with tempfile.TemporaryDirectory(prefix="iso-check-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="iso-check-") as tmp_dir:
+        tmp = open_storage(tmp_dir)
         for k, (model, checkpoint, group, members) in expected_groups(manifest).items():
             if k in stale:
                 continue
@@ -681,19 +686,18 @@ def check(root: Path, manifest: dict, rtol: float = 1e-9) -> list[tuple[str, str
             if have.get("compacted") or any(e.get("compacted") for e in members):
                 want_n = defaultdict(int)
                 for e in members:
-                    for r in pq.read_table(root / e["files"]["layer_sums"], columns=["layer", "n"]).to_pylist():
+                    for r in root.read_table(e["files"]["layer_sums"], columns=["layer", "n"]).to_pylist():
                         want_n[r["layer"]] += r["n"]
                 got = {r["layer"]: r["n"] for r in _table(root, have["files"].get("layer_totals"),
                                                              ["layer", "n"]).to_pylist()}
                 if got != dict(want_n):
                     problems.append((k, f"{k}: layer counts {got} differ from its partials' {dict(want_n)}"))
                 continue
-            members = _relocated(members, root)
-            fresh = fold_group(Path(tmp), model, checkpoint, group, None, members, [], members)
+            fresh = fold_group(root, model, checkpoint, group, None, members, [], members, dest=tmp)
             for table, cols in (("token_stats", ["layer", "token_id", "n", "sum_sq"]),
                                 ("layer_totals", ["layer", "n", "sum_sq"])):
                 a = _table(root, have["files"].get(table), cols)
-                b = _table(Path(tmp), fresh["files"].get(table), cols)
+                b = _table(tmp, fresh["files"].get(table), cols)
                 same = (a is None) == (b is None)
                 if same and a is not None:
                     same = a.num_rows == b.num_rows and all(
@@ -703,20 +707,15 @@ def check(root: Path, manifest: dict, rtol: float = 1e-9) -> list[tuple[str, str
                     same = bool(np.all(np.abs(x - y) <= rtol * np.maximum(np.abs(y), 1.0)))
                 if not same:
                     problems.append((k, f"{k}: {table} differs from a fresh merge of its partials (--fix re-merges)"))
-            discard(Path(tmp), [fresh])
+            discard(tmp, [fresh])
     return problems
 
 
-def _relocated(entries: list[dict], root: Path) -> list[dict]:
-    """The entries with their files as absolute paths, so a fold can write under another root."""
-    return [{**e, "files": {t: str(Path(root).resolve() / rel) for t, rel in e["files"].items()}} for e in entries]
-
-
-def compact(root: Path, model: str | None = None, checkpoint: str | None = None) -> dict:
+def compact(root, model: str | None = None, checkpoint: str | None = None) -> dict:
     """Drop the per-partial vectors (token_sums, moments, samples) and the merge state (token_vectors,
     moments_merged, samples_merged) of the matching checkpoints, keeping every table a view reads.
     Afterwards the checkpoint is final: a new partial of it is refused.  Returns bytes before/after."""
-    root = Path(root)
+    root = open_storage(root)
     drop_data = ("token_sums", "moments", "samples")
     sizes = {}
 
@@ -745,7 +744,7 @@ def compact(root: Path, model: str | None = None, checkpoint: str | None = None)
     return {"checkpoints": len(sizes["pairs"]), "before": sizes["before"], "after": after}
 
 
-def _token_bytes(root: Path, manifest: dict, pairs: list[tuple[str, str]]) -> dict:
+def _token_bytes(root: Storage, manifest: dict, pairs: list[tuple[str, str]]) -> dict:
     """Bytes of the token-level files of `pairs` and the (layer, token type) cells they cover."""
     total, cells = 0, 0
     for e in manifest["entries"].values():
@@ -753,7 +752,7 @@ def _token_bytes(root: Path, manifest: dict, pairs: list[tuple[str, str]]) -> di
             continue
         for t in ("token_sums", "token_stats", "token_vectors"):
             if t in e["files"]:
-                total += (root / e["files"][t]).stat().st_size
+                total += root.size(e["files"][t])
         if e["kind"] == "merged" and e["source"] == ALL:
-            cells += pq.ParquetFile(root / e["files"]["token_stats"]).metadata.num_rows
+            cells += root.parquet_file(e["files"]["token_stats"]).metadata.num_rows
     return {"bytes": total, "cells": cells, "bytes_per_cell": total / cells if cells else None}

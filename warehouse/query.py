@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
+import pyarrow.dataset as ds
 
 from common.errors import UserError
 
 from . import merge, schema, store
+from .storage import open_storage
 
 QUERIES_DIR = Path(__file__).resolve().parent.parent / "queries"
 BASE_VIEWS = (*schema.TABLES, "runs")
@@ -72,17 +74,34 @@ def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-def base_view_sql(root: Path, manifest: dict) -> list[str]:
-    root = Path(root).resolve()
+def _vector_schema(table: str, arrow_schema, entries: list[dict]):
+    """token_sums' vec is float16/32/64 by --vector-dtype: the widest the files hold."""
+    if table != "token_sums":
+        return arrow_schema
+    widths = {"float16": 0, "float32": 1, "float64": 2}
+    widest = max((e.get("settings", {}).get("vector_dtype") or "float32" for e in entries), key=widths.get)
+    i = arrow_schema.get_field_index("vec")
+    return arrow_schema.set(i, arrow_schema.field(i).with_type(schema.vector_type(widest)))
+
+
+def base_view_sql(root, manifest: dict, con: duckdb.DuckDBPyConnection | None = None) -> list[str]:
+    """CREATE VIEW statements of the base tables over the files the manifest lists.  Local files and
+    views.sql: read_parquet of the paths / s3:// URLs.  With `con` and a warehouse on S3: each table
+    is a pyarrow dataset over the S3 filesystem, registered in `con` (no DuckDB extension needed)."""
+    st = open_storage(root)
+    via_arrow = con is not None and not st.local
     statements = []
     for table, arrow_schema in schema.TABLES.items():
-        files = sorted(
-            str(root / e["files"][table]) for e in manifest["entries"].values() if table in e["files"]
-        )
+        entries = [e for e in manifest["entries"].values() if table in e["files"]]
+        files = sorted(e["files"][table] for e in entries)
         cols = ", ".join(f'"{f.name}"' for f in arrow_schema)
-        if files:
-            file_list = "[" + ", ".join(_sql_str(f) for f in files) + "]"
-            # token_sums' vec is float16/32/64 by --vector-dtype: only there are file schemas unified
+        if files and via_arrow:
+            con.register(f"_files_{table}", ds.dataset(
+                [st.path(f) for f in files], schema=_vector_schema(table, arrow_schema, entries),
+                format="parquet", filesystem=st.fs))
+            src = f"SELECT {cols} FROM _files_{table}"
+        elif files:
+            file_list = "[" + ", ".join(_sql_str(st.uri(f)) for f in files) + "]"
             union = ", union_by_name = true" if table == "token_sums" else ""
             src = f"SELECT {cols} FROM read_parquet({file_list}, hive_partitioning = false{union})"
         else:
@@ -90,9 +109,13 @@ def base_view_sql(root: Path, manifest: dict) -> list[str]:
                 f'CAST(NULL AS {schema.duckdb_type(f.type)}) AS "{f.name}"' for f in arrow_schema
             ) + " WHERE false"
         statements.append(f"CREATE OR REPLACE VIEW {table} AS {src};")
-    runs = root / store.RUNS_FILE
-    if runs.exists():
-        statements.append(f"CREATE OR REPLACE VIEW runs AS SELECT * FROM read_parquet({_sql_str(str(runs))});")
+    if st.exists(store.RUNS_FILE):
+        if via_arrow:
+            con.register("_files_runs", ds.dataset([st.path(store.RUNS_FILE)], format="parquet", filesystem=st.fs))
+            statements.append("CREATE OR REPLACE VIEW runs AS SELECT * FROM _files_runs;")
+        else:
+            statements.append(
+                f"CREATE OR REPLACE VIEW runs AS SELECT * FROM read_parquet({_sql_str(st.uri(store.RUNS_FILE))});")
     else:
         statements.append(
             "CREATE OR REPLACE VIEW runs AS SELECT " + ", ".join(
@@ -102,28 +125,28 @@ def base_view_sql(root: Path, manifest: dict) -> list[str]:
     return statements
 
 
-def all_view_sql(root: Path, manifest: dict) -> list[str]:
-    return base_view_sql(root, manifest) + [
+def all_view_sql(root, manifest: dict, con: duckdb.DuckDBPyConnection | None = None) -> list[str]:
+    return base_view_sql(root, manifest, con) + [
         f"CREATE OR REPLACE VIEW {m.name} AS\n{m.body};" for m in load_metrics()
     ]
 
 
-def companions_current(root: Path, manifest: dict) -> bool:
+def companions_current(root, manifest: dict) -> bool:
     """views.sql, runs.parquet and manifest.json all written from the latest record (two writers'
     companion writes may land in either order: the older one is then rewritten here)."""
     if not manifest["entries"]:
         return True
-    views = Path(root) / store.VIEWS_FILE
+    st = open_storage(root)
     gen = manifest.get("generation", 0)
-    return (views.exists() and store.generation_tag(manifest) in views.read_text()
-            and store.companion_generations(root) == (gen, gen))
+    return (st.exists(store.VIEWS_FILE) and store.generation_tag(manifest) in st.read_bytes(store.VIEWS_FILE).decode()
+            and store.companion_generations(st) == (gen, gen))
 
 
-def refresh_companions(root: Path) -> dict:
+def refresh_companions(root) -> dict:
     """Rewrite manifest.json, runs.parquet and views.sql if they are behind the commit log (a process
     died between the record and them, or two writers' companions landed out of order); returns the
     current manifest."""
-    root = Path(root)
+    root = open_storage(root)
     manifest = store.read_manifest(root)
     if not companions_current(root, manifest):  # no lock: each file is replaced atomically
         store.write_companions(root, manifest)
@@ -131,32 +154,35 @@ def refresh_companions(root: Path) -> dict:
     return manifest
 
 
-def write_views_file(root: Path, manifest: dict | None = None) -> Path:
-    """The init file for the DuckDB shell: `duckdb -init WAREHOUSE/views.sql`."""
-    root = Path(root)
-    manifest = manifest if manifest is not None else store.read_manifest(root)
+def write_views_file(root, manifest: dict | None = None) -> str:
+    """The init file for the DuckDB shell: `duckdb -init WAREHOUSE/views.sql`.  For a warehouse on
+    S3 it names s3:// URLs, which the shell reads with its httpfs extension (see the README)."""
+    st = open_storage(root)
+    manifest = manifest if manifest is not None else store.read_manifest(st)
+    how = ("duckdb -init " + st.uri(store.VIEWS_FILE) if st.local else
+           "duckdb (with httpfs and an S3 secret; see the README), then .read " + st.uri(store.VIEWS_FILE) +
+           " -- or `python cli.py pull` for a local copy")
     text = (
         store.generation_tag(manifest)
         + "-- Views over this warehouse, regenerated at every commit (python cli.py views rewrites it).\n"
-        "-- Open with:  duckdb -init " + str(root.resolve() / store.VIEWS_FILE) + "\n"
-        + "\n".join(all_view_sql(root, manifest)) + "\n"
+        "-- Open with:  " + how + "\n"
+        + "\n".join(all_view_sql(st, manifest)) + "\n"
     )
-    store.atomic_write_bytes(root / store.VIEWS_FILE, text.encode())
-    return root / store.VIEWS_FILE
+    store.atomic_write_bytes(st, store.VIEWS_FILE, text.encode())
+    return st.display(store.VIEWS_FILE)
 
 
-def connect(root: str | Path = "warehouse") -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with every view of the warehouse at `root`."""
-    root = Path(root)
-    if not root.is_dir():
-        raise UserError(f"{root}: no such warehouse directory")
+def connect(root="warehouse") -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with every view of the warehouse at `root` (a directory or
+    s3://bucket/prefix)."""
+    root = open_storage(root, must_exist=True)
     manifest = refresh_companions(root)
     stale, extra = merge.stale_groups(manifest)
     if stale or extra:  # only a hand-edited manifest or a warehouse restored in parts gets here
         raise UserError(f"{root}: merged tables do not match the partials for {len(stale) + len(extra)} group(s); "
                         "run `python cli.py validate --warehouse ... --fix`")
     con = duckdb.connect()
-    for stmt in all_view_sql(root, manifest):
+    for stmt in all_view_sql(root, manifest, con):
         con.execute(stmt)
     return con
 

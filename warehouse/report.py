@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from . import store
 from .query import connect
+from .storage import open_storage
 
 # Okabe & Ito's colour-blind-safe palette (black last).
 PALETTE = ["#0072B2", "#E69F00", "#009E73", "#CC79A7", "#56B4E9", "#D55E00", "#F0E442", "#000000"]
@@ -63,7 +64,7 @@ class Report:
 class Data:
     """The views, restricted to --model / --checkpoint, as Polars frames."""
 
-    def __init__(self, warehouse: Path, models: list[str] | None, checkpoints: list[str] | None):
+    def __init__(self, warehouse, models: list[str] | None, checkpoints: list[str] | None):
         self.con = connect(warehouse)
         self.models, self.checkpoints = models or [], checkpoints or []
 
@@ -540,14 +541,14 @@ window.__errors = [];
 """
 
 
-def _meta(d: Data, warehouse: Path) -> dict:
+def _meta(d: Data, warehouse) -> dict:
     def column(sql: str) -> list:
         return [r[0] for r in d.con.execute(sql).fetchall()]
 
     data_runs = d.where("kind = 'data'")
     excluded = d.where("source = 'all' AND (n_nonfinite > 0 OR n_zero > 0)")
     return {
-        "warehouse": str(Path(warehouse).resolve()),
+        "warehouse": open_storage(warehouse).uri(""),
         "generated": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "models": column(f"SELECT DISTINCT model FROM runs{d.where()} ORDER BY 1"),
         "checkpoints": column(f"SELECT checkpoint FROM runs{d.where()} GROUP BY checkpoint "
@@ -560,7 +561,7 @@ def _meta(d: Data, warehouse: Path) -> dict:
 
 def build_report(warehouse: Path, out: Path, models: list[str] | None = None,
                  checkpoints: list[str] | None = None, png: bool = True) -> Report:
-    warehouse, out = Path(warehouse), Path(out)
+    warehouse, out = open_storage(warehouse, must_exist=True), Path(out)
     d = Data(warehouse, models, checkpoints)
     report = Report(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -577,7 +578,7 @@ def build_report(warehouse: Path, out: Path, models: list[str] | None = None,
                 fig.chart.save(str(out / f"{fig.id}.png"), scale_factor=2)
     meta = _meta(d, warehouse)
     d.con.close()
-    store.atomic_write_bytes(out / "index.html", _page(report, meta).encode())
+    store.atomic_write_bytes(out, "index.html", _page(report, meta).encode())
     return report
 
 

@@ -1,10 +1,11 @@
 """Atomic writes and the manifest.
 
 A run writes its Parquet files under `tables/<table>/<partition dirs>/<run_id>.parquet`
-(each file written to a temporary name, fsynced, then renamed).  Files become visible to
-queries only when the manifest lists them, and the manifest is a commit log without locks:
-`_log/<seq>.json`, one immutable record per commit, created only if absent (a hard link of a
-complete file: atomic on local disks and NFS).  A record holds the entries it adds or replaces
+(locally: a temporary name, fsynced, renamed; on S3: one upload that appears when complete — see
+storage.py).  Files become visible to queries only when the manifest lists them, and the manifest
+is a commit log without locks: `_log/<seq>.json`, one immutable record per commit, created only if
+absent (a hard link of a complete file on local disks and NFS, a PUT with `If-None-Match: *` on
+S3).  A record holds the entries it adds or replaces
 and the keys it removes (every 32nd also the whole manifest); the state is the latest record's.
 Two writers that read the same state race for the same next record: exactly one creates it, the
 other re-reads and tries again on top of it (`publish` returns None).  So a killed run leaves
@@ -12,20 +13,18 @@ nothing that a view can see, and a re-run of the same key replaces the earlier e
 adding to it.  Files that no entry lists any more are deleted after the commit; files of runs
 that never committed, by `validate --fix`.
 
-This is the bottom of the warehouse: it knows files and the manifest, not what the tables mean
+Above storage.py (bytes and names), this knows files and the manifest, not what the tables mean
 (merge.py folds partials, query.py makes views; neither is imported here).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import os
 import re
 import secrets
 import socket
-from pathlib import Path
 from urllib.parse import quote
 
 import numpy as np
@@ -36,6 +35,7 @@ from common import faults
 from common.errors import UserError
 
 from . import schema
+from .storage import Storage, open_storage
 
 MANIFEST = "manifest.json"  # a copy of the current state (companion); the commit log is authoritative
 LOG_DIR = "_log"
@@ -64,28 +64,8 @@ def entry_key(kind: str, model: str, checkpoint: str, source: str | None = None,
     return json.dumps([kind, model, checkpoint, source, shard])
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _durable_temp(path: Path, data: bytes) -> Path:
-    """`data` in a fsynced temporary file beside `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return tmp
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    os.replace(_durable_temp(path, data), path)
-    _fsync_dir(path.parent)
+def atomic_write_bytes(root, rel: str, data: bytes) -> None:
+    open_storage(root).replace(rel, data)
 
 
 def list_array(M) -> pa.ListArray:
@@ -95,16 +75,16 @@ def list_array(M) -> pa.ListArray:
 
 
 class TableWriter:
-    """Streams record batches of one table into one Parquet file, renamed into place on close."""
+    """Streams record batches of one table into one Parquet file that appears (under its final
+    name) only when `close` returns."""
 
-    def __init__(self, root: Path, table: str, values: dict[str, str], run_id: str,
+    def __init__(self, root, table: str, values: dict[str, str], run_id: str,
                  arrow_schema: pa.Schema | None = None):
+        self.storage = open_storage(root)
         self.rel = f"{partition_dir(table, values)}/{run_id}.parquet"
-        self.path = root / self.rel
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp")
         self.schema = arrow_schema or schema.TABLES[table]
-        self._writer = pq.ParquetWriter(self.tmp, self.schema, **schema.write_options(table, self.schema))
+        self._out = self.storage.output(self.rel)
+        self._writer = pq.ParquetWriter(self._out.stream, self.schema, **schema.write_options(table, self.schema))
 
     def write(self, columns: dict) -> None:
         self._writer.write_table(pa.table(columns, schema=self.schema))
@@ -113,44 +93,39 @@ class TableWriter:
     def close(self) -> str:
         self._writer.close()
         faults.hit("close")
-        with open(self.tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(self.tmp, self.path)
-        _fsync_dir(self.path.parent)
+        self._out.commit()
         return self.rel
 
     def abort(self) -> None:
-        with contextlib.suppress(Exception):
+        try:
             self._writer.close()
-        for p in (self.tmp, self.path):
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
+        except Exception:
+            pass
+        self._out.abort()
 
 
 def _record_name(seq: int) -> str:
     return f"{seq:020d}.json"
 
 
-def _seqs(root: Path) -> list[int]:
-    log = Path(root) / LOG_DIR
-    if not log.is_dir():
-        return []
-    return sorted(int(p.name[:-5]) for p in log.iterdir() if _RECORD.fullmatch(p.name))
+def _seqs(st: Storage) -> list[int]:
+    names = (rel.rsplit("/", 1)[-1] for rel in st.list_files(LOG_DIR))
+    return sorted(int(n[:-5]) for n in names if _RECORD.fullmatch(n))
 
 
-def _read_record(root: Path, seq: int) -> dict:
-    path = Path(root) / LOG_DIR / _record_name(seq)
+def _read_record(st: Storage, seq: int) -> dict:
+    rel = f"{LOG_DIR}/{_record_name(seq)}"
     try:
-        return json.loads(path.read_text())
+        return json.loads(st.read_bytes(rel))
     except (OSError, ValueError) as e:
-        raise UserError(f"{path}: unreadable commit record ({e})") from None
+        raise UserError(f"{st.display(rel)}: unreadable commit record ({e})") from None
 
 
 def _empty() -> dict:
     return {"schema_version": schema.SCHEMA_VERSION, "entries": {}, "generation": 0}
 
 
-def _check_version(manifest: dict, path: Path) -> None:
+def _check_version(manifest: dict, path: str) -> None:
     version = manifest.get("schema_version")
     if version != schema.SCHEMA_VERSION:
         raise UserError(
@@ -159,16 +134,16 @@ def _check_version(manifest: dict, path: Path) -> None:
         )
 
 
-def read_state(root: Path) -> tuple[int, dict]:
+def read_state(root) -> tuple[int, dict]:
     """(sequence number, manifest) of the latest commit record: the newest snapshot at or before it,
     with the later records' changes applied."""
-    root = Path(root)
-    seqs = _seqs(root)
+    st = open_storage(root)
+    seqs = _seqs(st)
     if not seqs:
-        legacy = root / MANIFEST
-        if legacy.exists():  # a warehouse of an earlier version: no commit log, only manifest.json
+        legacy = st.display(MANIFEST)
+        if st.exists(MANIFEST):  # a warehouse of an earlier version: no commit log, only manifest.json
             try:
-                manifest = json.loads(legacy.read_text())
+                manifest = json.loads(st.read_bytes(MANIFEST))
             except (OSError, ValueError) as e:
                 raise UserError(f"{legacy}: unreadable manifest ({e})") from None
             _check_version(manifest, legacy)
@@ -177,14 +152,14 @@ def read_state(root: Path) -> tuple[int, dict]:
         return 0, _empty()
     deltas = []
     for seq in reversed(seqs):
-        rec = _read_record(root, seq)
+        rec = _read_record(st, seq)
         if "manifest" in rec:
             manifest = rec["manifest"]
             break
         deltas.append(rec)
     else:
-        raise UserError(f"{root / LOG_DIR}: no snapshot record at or before {seqs[-1]} (damaged commit log)")
-    _check_version(manifest, root / LOG_DIR / _record_name(seqs[-1]))
+        raise UserError(f"{st.display(LOG_DIR)}: no snapshot record at or before {seqs[-1]} (damaged commit log)")
+    _check_version(manifest, st.display(f"{LOG_DIR}/{_record_name(seqs[-1])}"))
     for rec in reversed(deltas):
         _apply(manifest, rec["put"], rec["remove"])
     manifest["generation"] = seqs[-1]
@@ -198,15 +173,16 @@ def _apply(manifest: dict, put: list[dict], remove: list[str]) -> None:
         manifest["entries"][e["key"]] = e
 
 
-def read_manifest(root: Path) -> dict:
+def read_manifest(root) -> dict:
     """The current state: the manifest of the latest commit record."""
     return read_state(root)[1]
 
 
-def changes_since(root: Path, seq: int) -> tuple[int, list[dict]]:
+def changes_since(root, seq: int) -> tuple[int, list[dict]]:
     """(latest seq, the records after `seq`): what other writers committed since a base was read."""
-    seqs = [s for s in _seqs(root) if s > seq]
-    return (seqs[-1] if seqs else seq), [_read_record(root, s) for s in seqs]
+    st = open_storage(root)
+    seqs = [s for s in _seqs(st) if s > seq]
+    return (seqs[-1] if seqs else seq), [_read_record(st, s) for s in seqs]
 
 
 def check_compatible(manifest: dict, model: str, hidden_size: int) -> None:
@@ -218,73 +194,57 @@ def check_compatible(manifest: dict, model: str, hidden_size: int) -> None:
             )
 
 
-def publish(root: Path, base_seq: int, manifest: dict, entries: list[dict], remove: list[str] = ()
+def publish(root, base_seq: int, manifest: dict, entries: list[dict], remove: list[str] = ()
             ) -> list[str] | None:
     """Commit `entries` (added or replacing entries of the same key) and drop `remove`, on top of
     `manifest`, the state of record `base_seq`: create record base_seq + 1 if absent (no lock).
     Returns the files no entry lists any more (deleted), or None if another writer took that
     record first — the caller re-reads the state and tries again."""
-    root = Path(root)
+    st = open_storage(root)
     new = {**manifest, "entries": dict(manifest["entries"])}
     old_files = {f for e in manifest["entries"].values() for f in e["files"].values()}
     _apply(new, list(entries), list(remove))
     live = {f for e in new["entries"].values() for f in e["files"].values()}
     seq = base_seq + 1
-    record = {"seq": seq, "time": _dt.datetime.now(_dt.timezone.utc).isoformat(), "writer": _WRITER,
+    record = {"seq": seq, "nonce": secrets.token_hex(8), "time": _dt.datetime.now(_dt.timezone.utc).isoformat(), "writer": _WRITER,
               "put": list(entries), "remove": list(remove)}
     if seq == 1 or seq % SNAPSHOT_EVERY == 0:
         record["manifest"] = {**new, "generation": seq}
     faults.hit("manifest")
-    if not create_if_absent(root / LOG_DIR / _record_name(seq), json.dumps(record, sort_keys=True).encode()):
+    if not st.create_if_absent(f"{LOG_DIR}/{_record_name(seq)}", json.dumps(record, sort_keys=True).encode()):
         return None
     new["generation"] = seq
     manifest.clear()
     manifest.update(new)
     faults.hit("views")
-    write_companions(root, manifest)
+    write_companions(st, manifest)
     stale = sorted(old_files - live)
     faults.hit("gc")
     for rel in stale:
-        with contextlib.suppress(FileNotFoundError):
-            (root / rel).unlink()
+        st.delete(rel)
     return stale
 
 
-def create_if_absent(path: Path, data: bytes) -> bool:
-    """Write `data` to `path` unless it exists, atomically: readers see all of it or no file.  On a
-    POSIX file system (local, NFS) a complete temporary file is hard-linked to the name — link()
-    fails if the name exists — then the temporary name is removed."""
-    tmp = _durable_temp(path, data)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        return False
-    finally:
-        os.unlink(tmp)
-    _fsync_dir(path.parent)
-    return True
-
-
-def companion_generations(root: Path) -> tuple[int | None, int | None]:
+def companion_generations(root) -> tuple[int | None, int | None]:
     """The generations manifest.json and runs.parquet were written from (None: missing/unreadable)."""
-    root = Path(root)
+    st = open_storage(root)
     out = []
     try:
-        out.append(json.loads((root / MANIFEST).read_text()).get("generation"))
+        out.append(json.loads(st.read_bytes(MANIFEST)).get("generation"))
     except (OSError, ValueError):
         out.append(None)
     try:
-        meta = pq.read_schema(root / RUNS_FILE).metadata or {}
+        meta = st.read_schema(RUNS_FILE).metadata or {}
         out.append(int(meta.get(b"generation", b"-1")))
     except (OSError, ValueError, pa.ArrowException):
         out.append(None)
     return out[0], out[1]
 
 
-def write_companions(root: Path, manifest: dict) -> None:
+def write_companions(root, manifest: dict) -> None:
     """manifest.json (the current state, for people and scripts; the log is authoritative) and
     runs.parquet; a reader that finds them behind the log rewrites them."""
-    atomic_write_bytes(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    atomic_write_bytes(root, MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
     write_runs_table(root, manifest)
 
 
@@ -293,7 +253,7 @@ def generation_tag(manifest: dict) -> str:
     return f"-- generation {manifest.get('generation', 0)}\n"
 
 
-def write_runs_table(root: Path, manifest: dict) -> None:
+def write_runs_table(root, manifest: dict) -> None:
     rows = []
     for e in manifest["entries"].values():
         stats, prov = e.get("stats", {}), e.get("provenance", {})
@@ -316,4 +276,4 @@ def write_runs_table(root: Path, manifest: dict) -> None:
         {"generation": str(manifest.get("generation", 0))}))
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
-    atomic_write_bytes(root / RUNS_FILE, sink.getvalue().to_pybytes())
+    atomic_write_bytes(root, RUNS_FILE, sink.getvalue().to_pybytes())

@@ -3,14 +3,11 @@ tables against a fresh merge of their partials."""
 
 from __future__ import annotations
 
-import contextlib
-from pathlib import Path
-
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from . import merge, query, schema, store
+from .storage import Storage, open_storage
 
 
 def _same_type(got: pa.DataType, want: pa.DataType, table: str, column: str) -> bool:
@@ -19,12 +16,11 @@ def _same_type(got: pa.DataType, want: pa.DataType, table: str, column: str) -> 
     return got == want
 
 
-def check_file(root: Path, rel: str, table: str, entry: dict) -> list[str]:
-    path = root / rel
-    if not path.exists():
+def check_file(st: Storage, rel: str, table: str, entry: dict) -> list[str]:
+    if not st.exists(rel):
         return [f"{rel}: listed in the manifest but missing"]
     try:
-        pf = pq.ParquetFile(path)
+        pf = st.parquet_file(rel)
         got = pf.schema_arrow
     except Exception as e:  # pyarrow raises several types for a damaged file
         return [f"{rel}: not a readable Parquet file ({str(e)[:200]})"]
@@ -48,9 +44,9 @@ def check_file(root: Path, rel: str, table: str, entry: dict) -> list[str]:
     return problems
 
 
-def validate(root: Path, fix: bool = False) -> list[str]:
+def validate(root, fix: bool = False) -> list[str]:
     """Problems found (after fixing what `fix` can: orphans, temp files, stale companions)."""
-    root = Path(root)
+    root = open_storage(root, must_exist=True)
     manifest = store.read_manifest(root)
     problems = []
     listed = set()
@@ -58,14 +54,11 @@ def validate(root: Path, fix: bool = False) -> list[str]:
         for table, rel in entry["files"].items():
             listed.add(rel)
             problems += check_file(root, rel, table, entry)
-    orphans = sorted(str(p.relative_to(root)) for p in (root / "tables").rglob("*")
-                     if p.is_file() and str(p.relative_to(root)) not in listed) if (root / "tables").exists() else []
-    log = root / store.LOG_DIR
-    orphans += sorted(str(p.relative_to(root)) for p in log.glob(".*.tmp")) if log.is_dir() else []
+    orphans = [rel for rel in root.list_files("tables") if rel not in listed]
+    orphans += [rel for rel in root.list_files(store.LOG_DIR) if rel.rsplit("/", 1)[-1].startswith(".")]
     for rel in orphans:
         if fix:
-            with contextlib.suppress(FileNotFoundError):
-                (root / rel).unlink()
+            root.delete(rel)
         else:
             problems.append(f"{rel}: not listed in the manifest (left by an interrupted run; --fix removes it)")
     if not problems:  # the merged tables are checked by re-merging readable partials

@@ -1,0 +1,277 @@
+"""A warehouse on S3 (`--warehouse s3://bucket/prefix`) against a real S3 API: moto's server on
+127.0.0.1, started here, with authentication on (wrong keys are refused as by AWS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from common.errors import UserError
+from conftest import ROOT, run_cli, same_numbers, views
+
+BUCKET = "iso-warehouse"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """moto's S3 server on loopback with IAM auth: the first 3 calls (made here) create a user and its
+    keys; every later request must be signed with them."""
+    import boto3
+
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"})
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1",
+                           aws_access_key_id="setup", aws_secret_access_key="setup")
+        iam.create_user(UserName="iso")
+        key = iam.create_access_key(UserName="iso")["AccessKey"]
+        iam.put_user_policy(UserName="iso", PolicyName="all", PolicyDocument=json.dumps(
+            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+        env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+               "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"], "AWS_REGION": "us-east-1"}
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+        client.create_bucket(Bucket=BUCKET)
+        yield {"env": env, "client": client, "endpoint": endpoint, "port": port}
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+@pytest.fixture
+def s3env(s3, monkeypatch):
+    """The S3 variables set for in-process calls; S3 storages probed fresh."""
+    from warehouse import storage
+
+    for k, v in s3["env"].items():
+        monkeypatch.setenv(k, v)
+    storage._OPEN.clear()
+    yield s3
+    storage._OPEN.clear()
+
+
+def keys(s3, prefix: str) -> list[str]:
+    pages = s3["client"].get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/")
+    return sorted(o["Key"] for p in pages for o in p.get("Contents", []))
+
+
+def cli_proc(args, env_extra, timeout=300):
+    """cli.py in its own process (exit code and stderr as a user sees them)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **env_extra}
+    return subprocess.Popen([sys.executable, str(ROOT / "cli.py"), *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+
+def finish(p, timeout=300):
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def all_views(wh) -> dict:
+    from warehouse.query import connect, load_metrics
+
+    con = connect(wh)
+    out = {m.name: sorted(con.execute(f"SELECT * FROM {m.name}").fetchall(), key=repr) for m in load_metrics()}
+    out["runs"] = sorted(con.execute("SELECT kind, checkpoint, source, shard, tokens FROM runs").fetchall(), key=repr)
+    out["token_sums"] = con.execute("SELECT count(*), sum(n), sum(sum_sq) FROM token_sums").fetchall()
+    con.close()
+    return out
+
+
+def same_rows(a: list, b: list, name: str, tol: float = 1e-12) -> None:
+    """Equal rows, floats to `tol` relative (DuckDB's parallel sums may differ in the last bits)."""
+    assert len(a) == len(b), name
+    for r, s in zip(a, b):
+        assert len(r) == len(s), name
+        for x, y in zip(r, s):
+            if isinstance(x, float) and isinstance(y, float):
+                assert abs(x - y) <= tol * max(1.0, abs(y)), (name, r, s)
+            else:
+                assert x == y, (name, r, s)
+
+
+@pytest.fixture(scope="module")
+def s3_wh(s3, single):
+    """The `single` extract (two sources, --moments) written to S3 through the CLI."""
+    from warehouse import storage
+
+    url = f"s3://{BUCKET}/same"
+    old = {k: os.environ.get(k) for k in s3["env"]}
+    os.environ.update(s3["env"])
+    storage._OPEN.clear()
+    try:
+        code, _, err = run_cli("extract", *single["args"], "--warehouse", url)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        storage._OPEN.clear()
+    assert code == 0, err
+    return url
+
+
+def test_extract_to_s3_equals_local_in_every_view(s3env, s3_wh, single, tmp_path):
+    url = s3_wh
+    assert keys(s3env, "same")  # really written to the bucket
+    got, want = all_views(url), all_views(single["wh"])
+    assert set(got) == set(want) and len(got) > 20
+    for name in want:
+        same_rows(got[name], want[name], name)  # the same computation
+    # sql, validate and report through the CLI
+    code, out, err = run_cli("sql", "SELECT count(*) AS n FROM inter_sim", "--warehouse", url, "--format", "csv")
+    assert code == 0 and out.splitlines()[1] == str(len(want["inter_sim"])), err
+    code, _, err = run_cli("validate", "--warehouse", url)
+    assert code == 0 and "ok" in err, err
+    code, _, err = run_cli("report", "--warehouse", url, "--out", tmp_path / "report")
+    assert code == 0, err
+    local = tmp_path / "report-local"
+    assert run_cli("report", "--warehouse", single["wh"], "--out", local)[0] == 0
+    for csv in sorted(local.glob("*.csv")):
+        assert (tmp_path / "report" / csv.name).read_text() == csv.read_text(), csv.name
+    # views.sql for the DuckDB shell names the objects (for shells with httpfs)
+    text = s3env["client"].get_object(Bucket=BUCKET, Key="same/views.sql")["Body"].read().decode()
+    assert f"read_parquet(['s3://{BUCKET}/same/tables/" in text
+
+
+def test_pull_to_a_local_copy_for_the_duckdb_shell(s3env, s3_wh, single, tmp_path):
+    url = s3_wh
+    copy = tmp_path / "copy"
+    code, _, err = run_cli("pull", "--warehouse", url, "--to", copy)
+    assert code == 0, err
+    want = all_views(url)
+    got = all_views(copy)
+    for name in want:
+        if name != "token_sums":  # the view-only copy leaves the per-partial vectors behind
+            same_rows(got[name], want[name], name)
+    q = "SELECT layer, inter_sim FROM inter_sim ORDER BY layer"
+    shell = subprocess.run(["duckdb", "-init", str(copy / "views.sql"), "-csv", "-noheader", "-c", q],
+                           capture_output=True, text=True, timeout=60)
+    assert shell.returncode == 0, shell.stderr
+    rows = [tuple(float(x) for x in line.split(",")) for line in shell.stdout.split()]
+    from warehouse.query import sql
+
+    ref = sql(q, url).rows()
+    assert len(rows) == len(ref) > 0
+    assert all(a[0] == b[0] and abs(a[1] - b[1]) <= 1e-12 * max(1, abs(b[1])) for a, b in zip(rows, ref))
+    # the copy takes no new partials (its vectors stayed behind); a second pull into it is refused
+    code, _, err = run_cli("extract", *single["args"], "--warehouse", copy)
+    assert code == 2 and "compacted" in err
+    code, _, err = run_cli("pull", "--warehouse", url, "--to", copy)
+    assert code == 2 and "already a warehouse" in err
+    # compaction on S3: the views stay, the per-partial vectors go
+    assert run_cli("compact", "--warehouse", url)[0] == 0
+    after = all_views(url)
+    for name in want:
+        if name != "token_sums":
+            same_rows(after[name], want[name], name)
+    assert not [k for k in keys(s3env, "same") if "/token_sums/" in k or "/token_vectors/" in k]
+
+
+def test_two_concurrent_extracts_of_one_key_leave_one_copy(s3env, single, workdir):
+    url = f"s3://{BUCKET}/race"
+    args = ["extract", *single["args"], "--warehouse", url]
+    procs = [cli_proc(args, s3env["env"]) for _ in range(2)]
+    results = [finish(p) for p in procs]
+    assert all(code == 0 for code, _, _ in results), [e[-2000:] for _, _, e in results]
+    got = views(url)
+    assert got["shards"] == [("main", "alpha", "1-of-1"), ("main", "beta", "1-of-1")]  # one entry per key
+    same_numbers(got, single["views"])  # counted once (n exact), not twice
+    records = [k for k in keys(s3env, "race") if "/_log/" in k]
+    assert len(records) == 2  # both committed, one after the other (the second replaced the first)
+    code, out, err = run_cli("validate", "--warehouse", url)
+    assert code == 0, out + err  # the replaced copy's files were collected: no orphans
+
+
+def test_kill_between_data_files_and_record_leaves_nothing_visible(s3env, single):
+    url = f"s3://{BUCKET}/kill"  # killed when every data and merged file is uploaded, the record not yet
+    code, _, err = finish(cli_proc(["extract", *single["args"], "--warehouse", url], {**s3env["env"], "ISO_FAULT": "merge"}))
+    assert code != 0
+    written = keys(s3env, url.rsplit("/", 1)[1])
+    assert written and not any("/_log/" in k for k in written)  # data files uploaded, no commit record
+    assert all(not rows for name, rows in views(url).items()), "a killed run is visible"
+    code, out, _ = run_cli("validate", "--warehouse", url)
+    assert code == 1 and "not listed in the manifest" in out
+    assert run_cli("validate", "--warehouse", url, "--fix")[0] == 0
+    assert [k for k in keys(s3env, url.rsplit("/", 1)[1]) if "/tables/" in k] == []
+    assert run_cli("extract", *single["args"], "--warehouse", url)[0] == 0  # the re-run completes
+    same_numbers(views(url), single["views"])
+
+
+def test_create_if_absent_has_one_winner(s3env):
+    from warehouse.storage import open_storage
+
+    st = open_storage(f"s3://{BUCKET}/cas")
+    wins = []
+    barrier = threading.Barrier(8)
+
+    def race(i):
+        barrier.wait()
+        wins.append((i, st.create_if_absent("_log/00000000000000000001.json", f'{{"writer": {i}}}'.encode())))
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    winners = [i for i, ok in wins if ok]
+    assert len(wins) == 8 and len(winners) == 1
+    assert json.loads(st.read_bytes("_log/00000000000000000001.json")) == {"writer": winners[0]}
+
+
+def test_store_failing_at_the_commit_record_is_one_line_and_leaves_nothing(s3env, single, monkeypatch):
+    from warehouse.storage import S3Storage
+
+    url = f"s3://{BUCKET}/fault"
+
+    def unreachable(self, rel, data):  # the store goes away between the data files and the record
+        raise UserError(f"{self.url}: cannot reach the S3 endpoint {self.endpoint} (check AWS_ENDPOINT_URL and the network)")
+
+    monkeypatch.setattr(S3Storage, "create_if_absent", unreachable)
+    code, _, err = run_cli("extract", *single["args"], "--warehouse", url)
+    assert code == 2 and err.strip().count("\n") == 0 and "cannot reach" in err, err
+    assert keys(s3env, "fault") == []  # every uploaded file removed again
+
+
+BAD = [
+    ("unreachable endpoint", {"AWS_ENDPOINT_URL": "http://127.0.0.1:{closed}"}, f"s3://{BUCKET}/x", "cannot reach"),
+    ("missing bucket", {}, "s3://no-such-bucket-here/x", "does not exist"),
+    ("wrong credentials", {"AWS_SECRET_ACCESS_KEY": "wrong"}, f"s3://{BUCKET}/x", "access denied"),
+    ("unknown key id", {"AWS_ACCESS_KEY_ID": "AKIANOSUCHKEY0000000"}, f"s3://{BUCKET}/x", "access denied"),
+]
+
+
+def test_bad_s3_input_is_one_line_and_writes_nothing(s3, single):
+    """Each case through `sql` and `extract` in their own processes (all at once)."""
+    runs = []
+    for case, env, url, message in BAD:
+        env = {**s3["env"], **{k: v.format(closed=_free_port()) for k, v in env.items()}}
+        for args in (["sql", "SELECT 1"], ["extract", *single["args"]]):
+            runs.append((case, message, cli_proc([*args, "--warehouse", url], env)))
+    for case, message, p in runs:
+        code, out, err = finish(p, timeout=120)
+        assert code == 2, (case, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (case, err)
+    assert keys(s3, "x") == []
