@@ -25,8 +25,8 @@ from warehouse.query import connect
 VIEWS = ["inter_sim", "inter_sim_by_source", "intra_sim", "avg_intra_sim", "isotropy", "layernorm",
          "anisotropy", "linearity", "intrinsic_dim", "inter_sim_types"]
 # (point, n): where the process dies; commit = the kill comes after the manifest was replaced
-KILLS = [("read", 1), ("read", 40), ("forward", 1), ("forward", 4), ("write", 1), ("write", 7),
-         ("close", 1), ("close", 4), ("manifest", 1), ("views", 1), ("gc", 1), ("merge", 1)]
+KILLS = [("read", 1), ("forward", 1), ("write", 1), ("close", 1), ("close", 4), ("merge", 1), ("manifest", 1),
+         ("views", 1), ("gc", 1)]  # (S3: tests/test_s3.py kills at "merge" too)
 AFTER_COMMIT = {"views", "gc"}
 
 

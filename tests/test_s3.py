@@ -275,3 +275,34 @@ def test_bad_s3_input_is_one_line_and_writes_nothing(s3, single):
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (case, err)
     assert keys(s3, "x") == []
+
+
+def test_read_only_keys_can_query_but_not_write(s3, s3_wh, single, monkeypatch):
+    """A user whose keys may only read (s3:GetObject, s3:ListBucket; moto names HEAD bucket's permission
+    s3:HeadBucket, which AWS folds into s3:ListBucket): every view answers, even with the
+    companions behind the log (they are caches, not rewritten then); an extract is refused in one line."""
+    import boto3
+
+    from warehouse import storage
+
+    iam = boto3.client("iam", endpoint_url=s3["endpoint"], region_name="us-east-1",
+                       aws_access_key_id=s3["env"]["AWS_ACCESS_KEY_ID"],
+                       aws_secret_access_key=s3["env"]["AWS_SECRET_ACCESS_KEY"])
+    iam.create_user(UserName="reader")
+    key = iam.create_access_key(UserName="reader")["AccessKey"]
+    iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(
+        {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket", "s3:HeadBucket"],
+                                                 "Resource": "*"}]}))
+    s3["client"].delete_object(Bucket=BUCKET, Key="same/views.sql")  # companions behind the log
+    for k, v in {**s3["env"], "AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}.items():
+        monkeypatch.setenv(k, v)
+    storage._OPEN.clear()
+    try:
+        got = views(s3_wh)
+        assert got["inter_sim"] and got["shards"] == single["views"]["shards"]
+        before = keys(s3, "same")
+        code, _, err = run_cli("extract", *single["args"], "--warehouse", f"{s3_wh}")
+        assert code == 2 and err.count("\n") == 1 and "access denied" in err, err
+        assert keys(s3, "same") == before
+    finally:
+        storage._OPEN.clear()

@@ -95,11 +95,15 @@ def test_slurm_array_script_sweeps_and_resumes(workdir, sources, model_factory):
 
 def test_slurm_array_environment_picks_the_shard(single, workdir):
     wh = workdir / "scale-slurm-env"
-    for task in (1, 2):
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_COUNT": "2",
-               "SLURM_ARRAY_TASK_MIN": "1"}
-        p = subprocess.run([sys.executable, str(ROOT / "cli.py"), "extract", *single["args"], "--warehouse", str(wh)],
-                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-        assert p.returncode == 0, p.stderr[-2000:]
-        assert f"shard {task}/2 (slurm-array)" in p.stderr
+    procs = {}
+    for task in (1, 2):  # the two tasks of one array, at the same time
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "SLURM_ARRAY_TASK_ID": str(task),
+               "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_MIN": "1"}
+        procs[task] = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "extract", *single["args"],
+                                        "--warehouse", str(wh)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True, env=env, cwd=ROOT)
+    for task, p in procs.items():
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        assert f"shard {task}/2 (slurm-array)" in err
     same_numbers(views(wh), single["views"])

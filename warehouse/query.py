@@ -109,13 +109,12 @@ def base_view_sql(root, manifest: dict, con: duckdb.DuckDBPyConnection | None = 
                 f'CAST(NULL AS {schema.duckdb_type(f.type)}) AS "{f.name}"' for f in arrow_schema
             ) + " WHERE false"
         statements.append(f"CREATE OR REPLACE VIEW {table} AS {src};")
-    if st.exists(store.RUNS_FILE):
-        if via_arrow:
-            con.register("_files_runs", ds.dataset([st.path(store.RUNS_FILE)], format="parquet", filesystem=st.fs))
-            statements.append("CREATE OR REPLACE VIEW runs AS SELECT * FROM _files_runs;")
-        else:
-            statements.append(
-                f"CREATE OR REPLACE VIEW runs AS SELECT * FROM read_parquet({_sql_str(st.uri(store.RUNS_FILE))});")
+    if con is not None:  # a Python connection: the runs of this very manifest, in memory
+        con.register("_runs", store.runs_table(manifest))
+        statements.append("CREATE OR REPLACE VIEW runs AS SELECT * FROM _runs;")
+    elif manifest["entries"]:
+        statements.append(
+            f"CREATE OR REPLACE VIEW runs AS SELECT * FROM read_parquet({_sql_str(st.uri(store.RUNS_FILE))});")
     else:
         statements.append(
             "CREATE OR REPLACE VIEW runs AS SELECT " + ", ".join(
@@ -142,15 +141,20 @@ def companions_current(root, manifest: dict) -> bool:
             and store.companion_generations(st) == (gen, gen))
 
 
-def refresh_companions(root) -> dict:
+def refresh_companions(root, strict: bool = True) -> dict:
     """Rewrite manifest.json, runs.parquet and views.sql if they are behind the commit log (a process
     died between the record and them, or two writers' companions landed out of order); returns the
-    current manifest."""
+    current manifest.  strict=False (queries): a warehouse the user may only read (read-only keys, a
+    read-only mount) is queried without rewriting them — they are caches, the log is the state."""
     root = open_storage(root)
     manifest = store.read_manifest(root)
     if not companions_current(root, manifest):  # no lock: each file is replaced atomically
-        store.write_companions(root, manifest)
-        write_views_file(root, manifest)
+        try:
+            store.write_companions(root, manifest)
+            write_views_file(root, manifest)
+        except (OSError, UserError):
+            if strict:
+                raise
     return manifest
 
 
@@ -176,7 +180,7 @@ def connect(root="warehouse") -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with every view of the warehouse at `root` (a directory or
     s3://bucket/prefix)."""
     root = open_storage(root, must_exist=True)
-    manifest = refresh_companions(root)
+    manifest = refresh_companions(root, strict=False)
     stale, extra = merge.stale_groups(manifest)
     if stale or extra:  # only a hand-edited manifest or a warehouse restored in parts gets here
         raise UserError(f"{root}: merged tables do not match the partials for {len(stale) + len(extra)} group(s); "

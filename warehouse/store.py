@@ -254,6 +254,13 @@ def generation_tag(manifest: dict) -> str:
 
 
 def write_runs_table(root, manifest: dict) -> None:
+    sink = pa.BufferOutputStream()
+    pq.write_table(runs_table(manifest), sink, compression="zstd")
+    atomic_write_bytes(root, RUNS_FILE, sink.getvalue().to_pybytes())
+
+
+def runs_table(manifest: dict) -> pa.Table:
+    """One row per manifest entry (the `runs` view), tagged with the manifest's generation."""
     rows = []
     for e in manifest["entries"].values():
         stats, prov = e.get("stats", {}), e.get("provenance", {})
@@ -272,8 +279,5 @@ def write_runs_table(root, manifest: dict) -> None:
                 "stats": json.dumps(stats, sort_keys=True),
             }
         )
-    table = pa.Table.from_pylist(rows, schema=schema.RUNS.with_metadata(
+    return pa.Table.from_pylist(rows, schema=schema.RUNS.with_metadata(
         {"generation": str(manifest.get("generation", 0))}))
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd")
-    atomic_write_bytes(root, RUNS_FILE, sink.getvalue().to_pybytes())
