@@ -64,7 +64,8 @@ def extract(
     vector_dtype: str = typer.Option("float32", help="Storage of per-token sum vectors: float32 | float64 (exact merges, 2x bytes) | float16 (half the bytes)."),
     params_only: bool = typer.Option(False, "--params-only", help="Write only the parameter tables (no data)."),
     accumulator_device: Optional[str] = typer.Option(None, help="Where the float64 sums live (default: --device); 'cpu' frees GPU memory for big models."),
-    moments: bool = typer.Option(False, "--moments/--no-moments", help="Also store Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (float64, d² per layer) for anisotropy, IsoScore, PCA, linearity."),
+    moments: bool = typer.Option(True, "--moments/--no-moments", help="Store Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (float64 sums, d² per layer) for anisotropy, IsoScore, PCA, linearity, CKA (on by default)."),
+    moments_precision: str = typer.Option("float32", help="Per-batch d×d products of the moments: float32 (shifted by a centre, added into float64 sums; ~1e-7 relative, see README) | float64 (exact products, slower)."),
     sample: int = typer.Option(0, help="Also keep a mergeable bottom-k sample of K token vectors per layer (intrinsic dimension)."),
     skip_done: bool = typer.Option(False, "--skip-done", help="Keep runs already in the warehouse with the same settings and data (resume a sweep) instead of replacing them."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub (off by default)."),
@@ -103,6 +104,8 @@ def extract(
             raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
         if sample < 0:
             raise UserError("--sample must be 0 (none) or a positive count")
+        if moments_precision not in ("float32", "float64"):
+            raise UserError(f"--moments-precision {moments_precision!r}: expected float32 or float64")
         for name, value in (("--batch-size", batch_size), ("--max-length", max_length), ("--max-tokens", max_tokens)):
             if value is not None and value < 1:
                 raise UserError(f"{name} must be at least 1")
@@ -122,6 +125,7 @@ def extract(
                             device=device, dtype=dtype, shard=launch.shard, vector_dtype=vector_dtype,
                             trust_remote_code=trust_remote_code, params_only=params_only,
                             accumulator_device=accumulator_device, skip_done=skip_done, moments=moments,
+                            moments_precision=moments_precision,
                             sample=sample, special_tokens=special_tokens, memory_budget=budget,
                             spill_dir=str(spill_dir) if spill_dir else None, modules=modules)
         start = time.perf_counter()

@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
     ap.add_argument("--moments", action="store_true", help="also accumulate Σh, Σhhᵀ and cross moments")
+    ap.add_argument("--moments-precision", default="float32", choices=["float32", "float64"])
     ap.add_argument("--sample", type=int, default=0, help="also keep a bottom-k sample of K vectors per layer")
     ap.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
                     help="also time writing the sums and report bytes per checkpoint")
@@ -124,7 +125,7 @@ def main() -> None:
         budget = int(args.budget * 2**30) if args.budget else None
         acc = TokenSums(len(kinds), args.vocab, args.hidden, args.device, budget=budget, fused=args.fused)
         if args.moments:
-            acc.moments = Moments(len(kinds), args.hidden, args.device)
+            acc.moments = Moments(len(kinds), args.hidden, args.device, precision=args.moments_precision)
         if args.sample:
             acc.sample = Sample(len(kinds), args.sample, args.hidden)
         rng = np.random.default_rng(1)

@@ -51,7 +51,8 @@ class Settings:
     params_only: bool = False
     accumulator_device: str | None = None
     skip_done: bool = False  # keep finished (checkpoint, source, shard) runs with the same settings
-    moments: bool = False  # Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (issue: peers' metrics)
+    moments: bool = True  # Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (the peers' measures)
+    moments_precision: str = "float32"  # per-batch products: float32 (shifted) or float64
     sample: int = 0  # K: bottom-k sample of token vectors per layer (0 = none)
     special_tokens: bool = False  # count the positions of the tokenizer's special tokens (BOS, [CLS], …)
     memory_budget: int | None = None  # bytes for the token sums; None: half the memory free at the start
@@ -61,7 +62,7 @@ class Settings:
 
 # Settings that change a run's numbers: a finished run with the same ones can be kept (--skip-done).
 RESULT_SETTINGS = ("unit", "max_length", "max_tokens", "dtype", "shard", "vector_dtype", "pile_set", "moments",
-                   "sample", "special_tokens", "modules")
+                   "moments_precision", "sample", "special_tokens", "modules")
 DEFAULT_MAX_LENGTH = 4096  # windows of at most this many tokens unless --max-length says otherwise
 
 
@@ -234,7 +235,8 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
                     budget=memory_budget(settings), spill_dir=settings.spill_dir)
     try:
         if settings.moments:
-            acc.moments = Moments(len(kinds), d, settings.accumulator_device or settings.device)
+            acc.moments = Moments(len(kinds), d, settings.accumulator_device or settings.device,
+                                  precision=settings.moments_precision)
         if settings.sample:
             acc.sample = Sample(len(kinds), settings.sample, d)
         salt = source_salt(source.name)
@@ -331,11 +333,11 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
             writers.append(w)
             m = acc.moments
             for layer in range(len(kinds)):  # one row group per layer: d×d matrices are large
-                last = layer == len(kinds) - 1 or m.cross is None
+                last = layer == len(kinds) - 1 or not m.has_cross
                 w.write({**{k: [v] for k, v in key.items()}, "layer": [layer], "n": [int(m.n[layer])],
-                         "s1": [m.s1[layer].cpu().numpy()], "s2": [m.s2[layer].cpu().numpy().reshape(-1)],
+                         "s1": [m.s1[layer].cpu().numpy()], "s2": [m.s2(layer).reshape(-1)],
                          "n_pair": [None if last else int(m.n_pair[layer])],
-                         "s_cross": [None if last else m.cross[layer].cpu().numpy().reshape(-1)]})
+                         "s_cross": [None if last else m.cross(layer).reshape(-1)]})
             files["moments"] = w.close()
         if acc.sample is not None:
             w = store.TableWriter(root, "samples", values, run_id)

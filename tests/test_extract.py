@@ -14,7 +14,7 @@ import torch
 
 import reference as ref
 from conftest import run_cli
-from extract.accumulate import TokenSums
+from extract.accumulate import Moments, TokenSums
 from common.errors import UserError
 from extract.models import paper_checkpoints, parse_step, resolve_model
 from extract.sources import ReadStats, Source, SentenceSplitter, documents, parse_shard
@@ -214,6 +214,8 @@ def test_compiled_gpu_step_equals_the_eager_path():
     and zero vectors included (compiled here for the CPU; on a GPU the same graph becomes Triton)."""
     torch.manual_seed(0)
     accs = [TokenSums(2, 20, 8, "cpu", fused=f) for f in (False, True)]
+    for acc in accs:  # the moments ride along on both paths
+        acc.moments = Moments(2, 8, "cpu", precision="float64")
     for step in range(2):
         ids = torch.randint(0, 20, (3, 6))
         counted = torch.ones(3, 6, dtype=torch.bool)
@@ -237,3 +239,8 @@ def test_compiled_gpu_step_equals_the_eager_path():
     assert eager.nonfinite.tolist() == [2, 2] and eager.zero.tolist() == [2, 2]
     for name in ("sum_h", "sum_u2", "window_cos"):
         assert torch.allclose(getattr(eager, name), getattr(fused, name), rtol=1e-12, atol=1e-12), name
+    me, mf = eager.moments, fused.moments
+    assert torch.equal(me.n, mf.n) and torch.equal(me.n_pair, mf.n_pair) and me.n.tolist() == [26, 26]  # 30 counted, 4 NaN/zero
+    assert torch.allclose(me.s1, mf.s1, rtol=1e-13, atol=1e-13)
+    assert np.allclose(me.s2(1), mf.s2(1), rtol=1e-13, atol=1e-13)
+    assert np.allclose(me.cross(0), mf.cross(0), rtol=1e-13, atol=1e-13)

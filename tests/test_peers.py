@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -36,7 +37,7 @@ def peers(workdir, sources, model_factory):
     a, b = f"alpha={sources['alpha']}", f"beta={sources['beta']}"
     for args in (["--source", a, "--shard", "1/2"], ["--source", a, "--shard", "2/2"], ["--source", b]):
         code, _, err = run_cli("extract", "--model", path, *args, "--warehouse", wh, "--max-length", MAXLEN,
-                               "--moments", "--sample", 100000)
+                               "--moments-precision", "float64", "--sample", 100000)  # exact products: the oracles' 1e-9
         assert code == 0, err
     texts = {"alpha": ref.source_texts(sources["alpha"]), "beta": ref.source_texts(sources["beta"])}
     windows = {k: [] for k in ("all", "alpha", "beta")}
@@ -282,3 +283,47 @@ def test_cka_and_orthogonal_procrustes_equal_svd(peers):
             assert got[(source, layer)][0] == pytest.approx(cka, rel=1e-9)
             assert got[(source, layer)][1] == pytest.approx(proc, rel=1e-9)
             assert 0 < proc <= 1 and 0 < cka <= 1
+
+
+def test_default_float32_moments_against_float64(peers, workdir, sources, model_factory):
+    """The default pass (moments on, float32 products of centred vectors, float64 sums) against the
+    exact float64 products over the same tokens: the bounds the README states."""
+    wh = workdir / "peers-wh-f32"
+    code, _, err = run_cli("extract", "--model", model_factory("gpt_neox", tied=False), "--source",
+                           f"alpha={sources['alpha']}", "--source", f"beta={sources['beta']}", "--warehouse", wh,
+                           "--max-length", MAXLEN)  # no moments flag: they are on by default
+    assert code == 0, err
+    con = connect(wh)
+    q = "SELECT layer, n, s1, s2, s_cross FROM moments_merged WHERE source = 'all' ORDER BY layer"
+    got, want = con.execute(q).fetchall(), peers["con"].execute(q).fetchall()
+    assert len(got) == len(want) > 2
+    for (layer, n, s1, s2, sx), (_, n64, s1_64, s2_64, sx64) in zip(got, want):
+        assert n == n64
+        d = len(s1)
+        cov = lambda a, b: np.array(b).reshape(d, d) / n - np.outer(a, a) / n**2  # noqa: E731
+        c32, c64 = cov(s1, s2), cov(s1_64, s2_64)
+        assert np.abs(c32 - c64).max() <= 1e-6 * np.abs(c64).max(), layer  # measured ~1e-7
+        e32, e64 = np.linalg.eigvalsh(c32), np.linalg.eigvalsh(c64)
+        assert np.abs(e32 - e64).max() <= 1e-7 * e64.max(), layer
+        if sx is not None:
+            assert np.abs(np.array(sx) - np.array(sx64)).max() <= 1e-6 * np.abs(np.array(sx64)).max()
+    for name, col in (("anisotropy", "anisotropy"), ("isoscore", "isoscore"), ("linearity", "cka"),
+                      ("linearity", "procrustes_orthogonal"), ("linearity", "linearity")):
+        a = {r[0]: r[1] for r in con.execute(f"SELECT layer, {col} FROM {name} WHERE source = 'all'").fetchall()}
+        b = {r[0]: r[1] for r in peers["con"].execute(f"SELECT layer, {col} FROM {name} WHERE source = 'all'").fetchall()}
+        assert a.keys() == b.keys() and a
+        for k in b:
+            assert abs(a[k] - b[k]) <= 1e-5 * max(abs(b[k]), 1e-3), (name, col, k, a[k], b[k])
+    settings = json.loads(con.execute("SELECT settings FROM runs WHERE kind = 'data' LIMIT 1").fetchone()[0])
+    assert settings["moments"] is True and settings["moments_precision"] == "float32"
+    con.close()
+    # --no-moments: no moments table, no moment views for that run (the Inter-Sim views are unaffected)
+    off = workdir / "peers-wh-off"
+    code, _, err = run_cli("extract", "--model", model_factory("gpt_neox", tied=False), "--source",
+                           f"alpha={sources['alpha']}", "--warehouse", off, "--max-length", MAXLEN, "--no-moments")
+    assert code == 0, err
+    con = connect(off)
+    assert con.execute("SELECT count(*) FROM moments").fetchone()[0] == 0
+    assert con.execute("SELECT count(*) FROM anisotropy").fetchone()[0] == 0
+    assert con.execute("SELECT count(*) FROM inter_sim").fetchone()[0] > 0
+    con.close()

@@ -16,11 +16,17 @@ def cross_covariance(n: int, sx: np.ndarray, sy: np.ndarray, sxy: np.ndarray) ->
     return (sxy - np.outer(sx, sy) / n) / (n - 1)
 
 
-def linearity_from_cov(cxx: np.ndarray, cyy: np.ndarray, cxy: np.ndarray) -> float:
+def linearity_from_cov(cxx: np.ndarray, cyy: np.ndarray, cxy: np.ndarray,
+                       eig: tuple[np.ndarray, np.ndarray] | None = None) -> float:
     """1 − ‖X̃A − Ỹ‖²_F for centred, Frobenius-normalised X, Y and the least-squares A, which is
-    tr(C_yx C_xx⁺ C_xy) / tr(C_yy) (solved by least squares, no explicit inverse)."""
-    a = np.linalg.lstsq(cxx, cxy, rcond=None)[0]  # C_xx⁺ C_xy
-    return float(np.trace(cxy.T @ a) / np.trace(cyy))
+    tr(C_yx C_xx⁺ C_xy) / tr(C_yy).  C_xx⁺ from the symmetric eigendecomposition C_xx = V diag(w) Vᵀ
+    (`eig`, if the caller has it), eigenvalues at or below numpy lstsq's cutoff (eps · d · w_max)
+    treated as zero — the least-squares solution, at a fraction of lstsq's SVD cost:
+    tr(C_yx C_xx⁺ C_xy) = Σ_k ‖(Vᵀ C_xy)_k‖² / w_k over the kept k."""
+    w, V = eig if eig is not None else np.linalg.eigh(cxx)
+    keep = w > np.finfo(np.float64).eps * len(w) * max(float(w.max()), 0.0)
+    P = V[:, keep].T @ cxy  # (k, d)
+    return float(((P * P).sum(1) / w[keep]).sum() / np.trace(cyy))
 
 
 def similarities_from_cov(cxx: np.ndarray, cyy: np.ndarray, cxy: np.ndarray) -> tuple[float, float]:

@@ -449,7 +449,7 @@ def _fold_derived(st: Storage, old: dict | None, adds: list[dict], removes: list
             sources = [(old, "moments_merged")] + [(e, "moments") for e in adds]
         else:
             sources = [(e, "moments") for e in members]
-        prev = None  # (layer, merged moments, covariance) of the layer before
+        prev = None  # (layer, merged moments, covariance, its eigendecomposition) of the layer before
         for layer in range(n_layers):
             m = _moments_layer(st, layer, sources)
             if m is None:
@@ -460,26 +460,28 @@ def _fold_derived(st: Storage, old: dict | None, adds: list[dict], removes: list
                                         "s2": [m["s2"]], "n_pair": [None if last else m["n_pair"]],
                                         "s_cross": [None if last else m["s_cross"]]})
             res["n"][layer] = m["n"]
-            C = None
+            C = eig = None
             if m["n"] >= 2:
                 d = len(m["s1"])
                 C = covariance(m["n"], m["s1"], m["s2"].reshape(d, d))
-                evals = np.linalg.eigvalsh(C)[::-1]
+                eig = np.linalg.eigh(C)  # eigenvalues for the spectrum, vectors for the next pair's linearity
+                evals = eig[0][::-1]
                 out.rows("spectrum", {"layer": [layer] * d, "n": [m["n"]] * d, "k": list(range(1, d + 1)),
                                       "eigenvalue": evals.tolist()})
                 out.rows("dim_variance", {"layer": [layer] * d, "dim": list(range(d)),
                                           "mean": (m["s1"] / m["n"]).tolist(), "variance": np.diag(C).tolist()})
             if prev is not None and C is not None:
-                pl, pm, pc = prev
+                pl, pm, pc, peig = prev
                 if (pl == layer - 1 and pm["s_cross"] is not None and pm["n_pair"] == pm["n"] == m["n"]
                         and pc is not None):  # exact only when both layers counted the same tokens
                     d = len(m["s1"])
                     cxy = cross_covariance(m["n"], pm["s1"], m["s1"], pm["s_cross"].reshape(d, d))
                     c_dd = C - cxy - cxy.T + pc  # Y − X
                     c_xd = cxy - pc
-                    res["linearity"][pl] = (linearity_from_cov(pc, C, cxy), linearity_from_cov(pc, c_dd, c_xd),
+                    res["linearity"][pl] = (linearity_from_cov(pc, C, cxy, peig),
+                                            linearity_from_cov(pc, c_dd, c_xd, peig),
                                             *similarities_from_cov(pc, C, cxy))
-            prev = (layer, m, C)
+            prev = (layer, m, C, eig)
     # bottom-k sample: merged with the new partials' samples, or re-merged from the members
     ks = {e["settings"].get("sample") or 0 for e in members}
     k = min(ks) if ks else 0
