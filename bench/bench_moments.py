@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import resource
 import os
 import statistics
 import subprocess
@@ -45,15 +47,28 @@ def write_source(path: Path, tokens: int, vocab: int, doc_len: int = 500) -> Non
             f.write(json.dumps({"text": " ".join(f"t{i}" for i in ids)}) + "\n")
 
 
-def run(model: Path, source: Path, wh: Path, extra: list[str]) -> float:
+def _steal() -> int:
+    """Clock ticks the hypervisor gave to others (/proc/stat 'steal'; 0 where there is none)."""
+    try:
+        return int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def run(model: Path, source: Path, wh: Path, extra: list[str]) -> tuple[float, float, float, float]:
+    """(whole-process wall seconds, forward-loop seconds as the extract reports them, CPU seconds
+    (user + sys) of the process, seconds of CPU stolen by the hypervisor meanwhile)."""
     cmd = [sys.executable, str(ROOT / "cli.py"), "extract", "--model", str(model), "--source", f"bench={source}",
            "--warehouse", str(wh), "--max-length", "512", "--batch-size", "8", *extra]
-    t0 = time.perf_counter()
+    r0, s0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), _steal(), time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     dt = time.perf_counter() - t0
+    r1, s1 = resource.getrusage(resource.RUSAGE_CHILDREN), _steal()
     if p.returncode:
         sys.exit(p.stderr[-3000:])
-    return dt
+    loop = re.search(r"non-finite, ([0-9.]+) s \(", p.stderr)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return dt, float(loop.group(1)) if loop else float("nan"), cpu, (s1 - s0) / os.sysconf("SC_CLK_TCK")
 
 
 def moments(wh: Path) -> dict[int, dict]:
@@ -116,18 +131,28 @@ def main() -> None:
         source = tmp / "source.jsonl"
         write_source(source, args.tokens, args.vocab)
         times = {"--no-moments": [], "default": []}
+        loops = {"--no-moments": [], "default": []}
+        cpus = {"--no-moments": [], "default": []}
         for i in range(args.runs):
             for variant in times:
                 extra = ["--no-moments"] if variant == "--no-moments" else []
-                times[variant].append(run(model, source, tmp / f"wh-{variant}-{i}", extra))
-                print(f"{variant:>13}: {times[variant][-1]:.1f} s", flush=True)
-        t_ref = run(model, source, tmp / "wh-f64", ["--moments-precision", "float64"])
-        print(f"{'float64':>13}: {t_ref:.1f} s (exact products, the reference)")
+                dt, loop, cpu, stolen = run(model, source, tmp / f"wh-{variant}-{i}", extra)
+                times[variant].append(dt)
+                loops[variant].append(loop)
+                cpus[variant].append(cpu)
+                print(f"{variant:>13}: {dt:.1f} s (forward loop {loop:.1f} s; CPU {cpu:.1f} s; stolen {stolen:.1f} s)",
+                      flush=True)
+        t_ref, loop_ref, cpu_ref, stolen = run(model, source, tmp / "wh-f64", ["--moments-precision", "float64"])
+        print(f"{'float64':>13}: {t_ref:.1f} s (forward loop {loop_ref:.1f} s; CPU {cpu_ref:.1f} s; stolen {stolen:.1f} s; "
+              "exact products, the reference)")
         off, on = statistics.median(times["--no-moments"]), statistics.median(times["default"])
         print(f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, ~{args.tokens} tokens, "
               f"{os.cpu_count()} cores")
         print(f"whole process: --no-moments {off:.1f} s, default {on:.1f} s (medians of {args.runs}); "
-              f"ratio {on / off:.3f}; float64 products {t_ref / off:.3f}")
+              f"ratio {on / off:.3f} (run by run: {', '.join(f'{b / a:.3f}' for a, b in zip(times['--no-moments'], times['default']))}); "
+              f"float64 products {t_ref / off:.3f}")
+        print(f"forward loop alone: ratio {statistics.median(loops['default']) / statistics.median(loops['--no-moments']):.3f}; "
+              f"CPU time: ratio {statistics.median(cpus['default']) / statistics.median(cpus['--no-moments']):.3f}")
         for line in compare(moments(tmp / "wh-default-0"), moments(tmp / "wh-f64")):
             print(line)
 
