@@ -439,6 +439,27 @@ def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, 
     }
 
 
+def relabel_group(root, entry: dict, group: str) -> dict:
+    """A copy of merged entry `entry` as the merged entry of `group` (which has the same partials):
+    every file copied row group by row group with its source column set to `group`."""
+    st = open_storage(root)
+    key = {"model": entry["model"], "checkpoint": entry["checkpoint"], "step": entry["step"], "source": group}
+    out = _Writers(st, key, store.new_run_id())
+    try:
+        for table, rel in entry["files"].items():
+            pf = st.parquet_file(rel, pre_buffer=False)
+            for i in range(pf.num_row_groups):
+                t = pf.read_row_group(i)
+                out[table].write({c: (pa.array([group] * t.num_rows, pa.string()) if c == "source" else t.column(c))
+                                  for c in t.column_names})
+        files = out.close()
+    except BaseException:
+        out.abort()
+        raise
+    return {**entry, "key": group_key(entry["model"], entry["checkpoint"], group), "source": group,
+            "run_id": out.run_id, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
+
+
 def _fold_derived(st: Storage, old: dict | None, adds: list[dict], removes: list[dict], members: list[dict],
                   n_layers: int, out: _Writers) -> dict:
     """Merged moments and sample, and what the peers' measures make of them, layer by layer."""
@@ -524,6 +545,11 @@ def fold(root, manifest: dict, data: list[dict]) -> list[dict]:
             after = {**current, **{e["key"]: e for e in new}}
             for group in sorted({e["source"] for e in new}) + [ALL]:
                 inside = [e for e in after.values() if _in_group(e, group)]
+                if group == ALL and len({e["source"] for e in after.values()}) == 1:
+                    # one source: 'all' has that source's partials, so its merged tables are the ones
+                    # just folded (out[-1]) — copied with source = 'all' instead of folded again
+                    out.append(relabel_group(root, out[-1], ALL))
+                    continue
                 out.append(fold_group(root, model, checkpoint, group,
                                       manifest["entries"].get(group_key(model, checkpoint, group)),
                                       [e for e in new if _in_group(e, group)],
