@@ -70,16 +70,22 @@ def views(wh) -> dict:
     return out
 
 
+def same_rows(a: list, b: list, name: str, tol: float) -> None:
+    """Equal rows; floats to `tol` relative (at least absolute)."""
+    assert len(a) == len(b), name
+    for r, s in zip(a, b):
+        assert len(r) == len(s), name
+        for x, y in zip(r, s):
+            if isinstance(x, float) and isinstance(y, float):
+                assert abs(x - y) <= tol * max(1.0, abs(y)), (name, r, s)
+            else:
+                assert x == y, (name, r, s)
+
+
 def same_numbers(a: dict, b: dict, tol: float = 1e-6) -> None:
-    """Equal rows; floats to `tol` (float32-stored vectors of split tokens merge to ~1e-8)."""
+    """Equal views; floats to `tol` (float32-stored vectors of split tokens merge to ~1e-8)."""
     for v in VIEWS:
-        assert len(a[v]) == len(b[v]), v
-        for r, s in zip(a[v], b[v]):
-            for x, y in zip(r, s):
-                if isinstance(x, float) and isinstance(y, float):
-                    assert abs(x - y) <= tol * max(1.0, abs(y)), (v, r, s)
-                else:
-                    assert x == y, (v, r, s)
+        same_rows(a[v], b[v], v, tol)
 
 
 @pytest.fixture(scope="session")

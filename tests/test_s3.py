@@ -14,7 +14,7 @@ import time
 import pytest
 
 from common.errors import UserError
-from conftest import ROOT, run_cli, same_numbers, views
+from conftest import ROOT, run_cli, same_numbers, same_rows, views
 
 BUCKET = "iso-warehouse"
 
@@ -101,18 +101,6 @@ def all_views(wh) -> dict:
     return out
 
 
-def same_rows(a: list, b: list, name: str, tol: float = 1e-12) -> None:
-    """Equal rows, floats to `tol` relative (DuckDB's parallel sums may differ in the last bits)."""
-    assert len(a) == len(b), name
-    for r, s in zip(a, b):
-        assert len(r) == len(s), name
-        for x, y in zip(r, s):
-            if isinstance(x, float) and isinstance(y, float):
-                assert abs(x - y) <= tol * max(1.0, abs(y)), (name, r, s)
-            else:
-                assert x == y, (name, r, s)
-
-
 @pytest.fixture(scope="module")
 def s3_wh(s3, single):
     """The `single` extract (two sources, --moments) written to S3 through the CLI."""
@@ -138,7 +126,7 @@ def test_extract_to_s3_equals_local_in_every_view(s3env, s3_wh, single, tmp_path
     got, want = all_views(url), all_views(single["wh"])
     assert set(got) == set(want) and len(got) > 20
     for name in want:
-        same_rows(got[name], want[name], name)  # the same computation
+        same_rows(got[name], want[name], name, 1e-12)  # the same computation (DuckDB's parallel sums: last bits)
     # sql, validate and report through the CLI
     code, out, err = run_cli("sql", "SELECT count(*) AS n FROM inter_sim", "--warehouse", url, "--format", "csv")
     assert code == 0 and out.splitlines()[1] == str(len(want["inter_sim"])), err
@@ -164,7 +152,7 @@ def test_pull_to_a_local_copy_for_the_duckdb_shell(s3env, s3_wh, single, tmp_pat
     got = all_views(copy)
     for name in want:
         if name != "token_sums":  # the view-only copy leaves the per-partial vectors behind
-            same_rows(got[name], want[name], name)
+            same_rows(got[name], want[name], name, 1e-12)
     q = "SELECT layer, inter_sim FROM inter_sim ORDER BY layer"
     shell = subprocess.run(["duckdb", "-init", str(copy / "views.sql"), "-csv", "-noheader", "-c", q],
                            capture_output=True, text=True, timeout=60)
@@ -185,7 +173,7 @@ def test_pull_to_a_local_copy_for_the_duckdb_shell(s3env, s3_wh, single, tmp_pat
     after = all_views(url)
     for name in want:
         if name != "token_sums":
-            same_rows(after[name], want[name], name)
+            same_rows(after[name], want[name], name, 1e-12)
     assert not [k for k in keys(s3env, "same") if "/token_sums/" in k or "/token_vectors/" in k]
 
 
