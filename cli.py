@@ -197,8 +197,7 @@ def validate(warehouse: str = WAREHOUSE, fix: bool = typer.Option(False, "--fix"
     from warehouse.validate import validate as run_validate
 
     try:
-        open_storage(warehouse, must_exist=True)
-        problems = run_validate(warehouse, fix)
+        problems = run_validate(open_storage(warehouse, must_exist=True), fix)
     except UserError as e:
         fail(str(e))
     for p in problems:
@@ -226,9 +225,9 @@ def compact(
     from warehouse.storage import open_storage
 
     try:
-        open_storage(warehouse, must_exist=True)
-        res = run_compact(warehouse, model, checkpoint)
-        refresh_companions(warehouse)
+        st = open_storage(warehouse, must_exist=True)
+        res = run_compact(st, model, checkpoint)
+        refresh_companions(st)
     except UserError as e:
         fail(str(e))
     b, a = res["before"], res["after"]
@@ -247,8 +246,7 @@ def views(warehouse: str = WAREHOUSE):
     from warehouse.storage import open_storage
 
     try:
-        open_storage(warehouse, must_exist=True)
-        typer.echo(str(write_views_file(warehouse)))
+        typer.echo(write_views_file(open_storage(warehouse, must_exist=True)))
     except UserError as e:
         fail(str(e))
 

@@ -199,13 +199,13 @@ class TokenSums:
                 self._fused = None
             else:
                 self._compiled_once = True
-                nonfinite, zero, *windows = stats
+                nonfinite, zero, ok_bt, *windows = stats
                 self.nonfinite[layer] += nonfinite
                 self.zero[layer] += zero
                 self._window_stats(layer, *windows)
                 if self.moments is not None:  # the raw rows, NaN/inf/zero ones zeroed as on the eager path
                     h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d)
-                    ok = torch.isfinite(h).all(1) & (h != 0).any(1)  # = finite, non-zero norm
+                    ok = ok_bt.reshape(-1).index_select(0, sel)  # (M,) the step's own finite & non-zero test
                     self.moments.add(layer, h.masked_fill(~ok.unsqueeze(1), 0), ok)
                 return
         h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d) compute dtype
@@ -332,6 +332,7 @@ def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hi
     û of the counted positions of hidden (B, T, d) (flat positions `sel` (M,), slots `index`
     (M,)), counts += 1 per finite non-zero vector; plus the per-window sums the eager path gets
     from `window_sums`, here as plain reductions over T (no atomics on B rows).  Returns (vectors with NaN/inf, with zero norm,
+    the counted finite non-zero positions (B, T) (for the moments),
     Σh per window (B, d), Σû per window (B, d), vectors per window (B,), Σû² (d,)) as device
     tensors: no sync.  Compiled, the upcast, scaling and masking fuse into the reductions and the
     scatter-add, so no (B, T, d) float64 tensor is materialised; eager, it is the same arithmetic."""
@@ -344,7 +345,7 @@ def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hi
     x = hm * inv.unsqueeze(-1)  # (B, T, d) û, zero where not counted
     sums.index_add_(0, index, x.reshape(-1, d).index_select(0, sel))
     counts.index_add_(0, index, ok.reshape(-1).index_select(0, sel).long())
-    return ((counted & ~finite).sum(), (counted & finite & (norm == 0)).sum(),
+    return ((counted & ~finite).sum(), (counted & finite & (norm == 0)).sum(), ok,
             hm.sum(1), x.sum(1), ok.sum(1), (x * x).sum((0, 1)))
 
 
@@ -386,7 +387,6 @@ class Moments:
         if precision not in ("float32", "float64"):
             raise ValueError(f"moments precision {precision!r}: expected float32 or float64")
         dev = torch.device(device)
-        self.precision = precision
         self.n = torch.zeros(n_layers, dtype=torch.int64, device=dev)
         self.s1 = torch.zeros(n_layers, d, dtype=torch.float64, device=dev)
         self._s2 = torch.zeros(n_layers, d, d, dtype=torch.float64, device=dev)  # Σ(h−c)(h−c)ᵀ

@@ -24,7 +24,7 @@ def _copy(src: Storage, dest: Storage, rel: str) -> int:
     out = dest.output(rel)
     n = 0
     try:
-        with src._errors(rel), src.fs.open_input_stream(src.path(rel)) as f:
+        with src.input_stream(rel) as f:
             while chunk := f.read(COPY_CHUNK):
                 out.stream.write(chunk)
                 n += len(chunk)

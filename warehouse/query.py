@@ -137,7 +137,8 @@ def companions_current(root, manifest: dict) -> bool:
         return True
     st = open_storage(root)
     gen = manifest.get("generation", 0)
-    return (st.exists(store.VIEWS_FILE) and store.generation_tag(manifest) in st.read_bytes(store.VIEWS_FILE).decode()
+    tag = store.generation_tag(manifest).encode()  # views.sql's first line: read only that much
+    return (st.exists(store.VIEWS_FILE) and st.read_bytes(store.VIEWS_FILE, len(tag)) == tag
             and store.companion_generations(st) == (gen, gen))
 
 

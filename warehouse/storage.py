@@ -56,10 +56,6 @@ def open_storage(where, must_exist: bool = False) -> "Storage":
     return st
 
 
-def is_remote(where) -> bool:
-    return isinstance(where, S3Storage) or str(where).startswith("s3://")
-
-
 class Storage:
     """A warehouse root.  `rel` arguments are '/'-separated paths below it."""
 
@@ -81,10 +77,17 @@ class Storage:
     def display(self, rel: str) -> str:
         return self.uri(rel)
 
-    # ---- reading
-    def read_bytes(self, rel: str) -> bytes:
+    # ---- reading (pyarrow.fs for both kinds: the local root is a LocalFileSystem path)
+    @contextlib.contextmanager
+    def input_stream(self, rel: str):
+        """A sequential reader of `rel` (failures as one-line errors on S3)."""
         with self._errors(rel), self.fs.open_input_stream(self.path(rel)) as f:
-            return f.read()
+            yield f
+
+    def read_bytes(self, rel: str, limit: int = -1) -> bytes:
+        """The bytes of `rel` (only the first `limit` if limit >= 0)."""
+        with self.input_stream(rel) as f:
+            return f.read() if limit < 0 else f.read(limit)
 
     def exists(self, rel: str) -> bool:
         with self._errors(rel):
@@ -177,42 +180,16 @@ class LocalStorage(Storage):
         self.root = Path(root)
         self.url = str(root)
         self.fs = pafs.LocalFileSystem()
-
-    def file(self, rel: str) -> Path:
-        return self.root / rel
+        self._base = str(self.root.resolve())
 
     def path(self, rel: str) -> str:
-        return str((self.root / rel).resolve()) if rel else str(self.root.resolve())
+        return os.path.join(self._base, rel) if rel else self._base
 
     def uri(self, rel: str) -> str:
         return self.path(rel)
 
     def display(self, rel: str) -> str:
         return str(self.root / rel)
-
-    def read_bytes(self, rel: str) -> bytes:
-        return (self.root / rel).read_bytes()
-
-    def exists(self, rel: str) -> bool:
-        return (self.root / rel).is_file()
-
-    def size(self, rel: str) -> int:
-        return (self.root / rel).stat().st_size
-
-    def list_files(self, prefix: str) -> list[str]:
-        base = self.root / prefix
-        if not base.is_dir():
-            return []
-        return sorted(str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file())
-
-    def parquet_file(self, rel: str, **kwargs) -> pq.ParquetFile:
-        return pq.ParquetFile(self.root / rel, **kwargs)
-
-    def read_table(self, rel: str, columns=None, filters=None) -> pa.Table:
-        return pq.read_table(self.root / rel, columns=columns, filters=filters)
-
-    def read_schema(self, rel: str) -> pa.Schema:
-        return pq.read_schema(self.root / rel)
 
     def replace(self, rel: str, data: bytes) -> None:
         path = self.root / rel
