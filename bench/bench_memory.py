@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -90,6 +91,13 @@ def sums(wh: Path) -> dict:
 
 def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="isomem-"))
+    try:
+        measure_all(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # ~11 GB of models and warehouses
+
+
+def measure_all(tmp: Path) -> None:
     print(f"{time.strftime('%Y-%m-%d')}, {sys.platform}, python {sys.version.split()[0]}")
     small = build(tmp / "toy4", layers=4)
     s, gb, st = run(small, text(tmp / "zipf.txt", 40_000, True), tmp / "wh-zipf")
