@@ -25,8 +25,11 @@ partial over the batch's distinct tokens is summed on the model's device first a
 
 from __future__ import annotations
 
+import os
+import queue
 import shutil
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -134,7 +137,10 @@ class TokenSums:
         self.spills.append(part)
 
     def close(self) -> None:
-        """Remove the spill directory (always call; the sums must have been read first)."""
+        """Remove the spill directory and stop the moments' thread (always call; the sums must have
+        been read first)."""
+        if self.moments is not None:
+            self.moments.close()
         if self._spill_dir is not None:
             shutil.rmtree(self._spill_dir, ignore_errors=True)
             self._spill_dir = None
@@ -380,10 +386,14 @@ class Moments:
 
         Σ_rows (h−c)(h−c)ᵀ = Σhhᵀ − c sᵀ − s cᵀ + R ccᵀ,   Σ (h_l−c_l)(h_m−c_m)ᵀ = Σ h_l h_mᵀ − s_l c_mᵀ − c_l s_mᵀ + R c_l c_mᵀ
 
-    so the stored sums mean the same whatever the precision.  Measured error against float64: README."""
+    so the stored sums mean the same whatever the precision.  Measured error against float64: README.
+
+    On a CPU (`background`, the default there) the products of each batch are queued to one
+    low-priority thread (`_Worker`) and added in the same order: bit-identical sums, overlapped with
+    the forward.  Everything else (n, Σh, the centre, the pair counts) is updated by the caller."""
 
     def __init__(self, n_layers: int, d: int, device: torch.device | str, cross: bool = True,
-                 precision: str = "float32"):
+                 precision: str = "float32", background: bool | None = None):
         if precision not in ("float32", "float64"):
             raise ValueError(f"moments precision {precision!r}: expected float32 or float64")
         dev = torch.device(device)
@@ -399,6 +409,9 @@ class Moments:
         self._pair_rows = [0] * max(n_layers - 1, 0)
         self._pair_s = torch.zeros(max(n_layers - 1, 0), 2, d, dtype=torch.float64, device=dev)  # s_l, s_m over pair batches
         self._prev: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if background is None:  # on a CPU: the products fill the cores the forward leaves idle
+            background = dev.type == "cpu"
+        self._worker = _Worker(depth=n_layers) if background else None
 
     @property
     def has_cross(self) -> bool:
@@ -422,10 +435,9 @@ class Moments:
             x = h.float() - self._c[layer]  # (M, d) float32: h − c
         else:
             x = h.double()  # (M, d) float64
-        self._s2[layer] += _gram_upper(x)  # upper triangle of xᵀx (lower: 0)
+        px = None
         if self._cross is not None and self._prev is not None and self._prev[0] == layer - 1:
             _, px, pok, ps = self._prev
-            self._cross[layer - 1] += (px.T @ x).to(torch.float64)
             self.n_pair[layer - 1] += (pok & ok).sum()
             self._pair_rows[layer - 1] += h.shape[0]
             if self._shifted:
@@ -433,9 +445,31 @@ class Moments:
                 self._pair_s[layer - 1, 1] += s
         if self._cross is not None:
             self._prev = (layer, x, ok, s)
+        if self._worker is None:
+            self._products(layer, x, px)
+        else:  # x and px are this batch's own tensors: nothing else writes them
+            self._worker.submit(self._products, layer, x, px)
+
+    def _products(self, layer: int, x: torch.Tensor, px: torch.Tensor | None) -> None:
+        """The batch's d×d products of layer `layer` (x (M, d)) and of the pair (layer − 1, layer)
+        (px: the previous layer's rows), added into the float64 sums."""
+        self._s2[layer] += _gram_upper(x)  # upper triangle of xᵀx (lower: 0)
+        if px is not None:
+            self._cross[layer - 1] += (px.T @ x).to(torch.float64)
+
+    def finish(self) -> None:
+        """Wait for the queued products (re-raising their error); the sums are complete after."""
+        if self._worker is not None:
+            self._worker.wait()
+
+    def close(self) -> None:
+        """Stop the background thread (always call; idempotent)."""
+        if self._worker is not None:
+            self._worker.close()
 
     def s2(self, layer: int) -> np.ndarray:
         """Σhhᵀ of a layer, (d, d) float64."""
+        self.finish()
         S = self._s2[layer].triu()
         S = S + S.triu(1).T
         if self._shifted:
@@ -445,12 +479,72 @@ class Moments:
 
     def cross(self, layer: int) -> np.ndarray:
         """Σ h_l h_{l+1}ᵀ over the tokens counted in layers `layer` and `layer` + 1, (d, d) float64."""
+        self.finish()
         C = self._cross[layer]
         if self._shifted:
             a, b = self._c[layer].double(), self._c[layer + 1].double()
             sa, sb = self._pair_s[layer, 0], self._pair_s[layer, 1]
             C = C + torch.outer(sa, b) + torch.outer(a, sb) - self._pair_rows[layer] * torch.outer(a, b)
         return C.cpu().numpy()
+
+
+class _Worker:
+    """One background thread that runs submitted calls in order, so the sums are added in the same
+    order as inline (bit-identical results).  The queue holds at most `depth` calls (the caller
+    blocks beyond: memory stays bounded by one batch's rows); the first error is re-raised by the
+    next `submit` or `wait`.  torch releases the GIL inside its kernels, so the products run while
+    the main thread drives the model.  The thread (and the OpenMP threads it starts, which inherit
+    it) runs at the lowest priority, nice 19: on a CPU the forward keeps its cores and the products
+    take what it leaves idle (Python between kernels, tokenising, single-threaded ops) — until the
+    queue is full and the main thread waits for them.  Measured: README, "What the moments cost"."""
+
+    NICE = 19
+
+    def __init__(self, depth: int):
+        self._q: queue.Queue = queue.Queue(max(1, depth))
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def _loop(self) -> None:
+        try:  # Linux: niceness is per thread (elsewhere this may fail: then the normal priority)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
+        except (AttributeError, OSError):
+            pass
+        with torch.inference_mode():
+            while True:
+                item = self._q.get()
+                try:
+                    if item is None:
+                        return
+                    if self._error is None:
+                        fn, args = item
+                        fn(*args)
+                except BaseException as e:  # noqa: BLE001 — handed to the submitting thread
+                    self._error = e
+                finally:
+                    self._q.task_done()
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, fn, *args) -> None:
+        self._check()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="moments", daemon=True)
+            self._thread.start()
+        self._q.put((fn, args))
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._q.join()
+        self._check()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None
 
 
 class Sample:

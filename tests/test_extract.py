@@ -244,3 +244,36 @@ def test_compiled_gpu_step_equals_the_eager_path():
     assert torch.allclose(me.s1, mf.s1, rtol=1e-13, atol=1e-13)
     assert np.allclose(me.s2(1), mf.s2(1), rtol=1e-13, atol=1e-13)
     assert np.allclose(me.cross(0), mf.cross(0), rtol=1e-13, atol=1e-13)
+
+
+def test_moments_on_a_background_thread_equal_inline_bit_for_bit():
+    """On a CPU the d×d products run on one low-priority thread, in submission order: the sums are
+    the inline ones bit for bit (both precisions), pairs and zeroed rows included; an error in the
+    thread reaches the caller; close() stops it."""
+    torch.manual_seed(0)
+    for precision in ("float32", "float64"):
+        ms = [Moments(3, 16, "cpu", precision=precision, background=b) for b in (False, True)]
+        for _ in range(5):
+            hs = [torch.randn(40, 16) * 3 + 50 * (layer + 1) for layer in range(3)]
+            ok = torch.rand(40) > 0.1
+            for m in ms:
+                for layer, h in enumerate(hs):
+                    m.add(layer, h.masked_fill(~ok[:, None], 0), ok)
+        inline, bg = ms
+        assert inline._worker is None and bg._worker is not None and bg._worker._thread is not None
+        for layer in range(3):
+            assert np.array_equal(inline.s2(layer), bg.s2(layer)), (precision, layer)
+        for layer in range(2):
+            assert np.array_equal(inline.cross(layer), bg.cross(layer)), (precision, layer)
+        assert torch.equal(inline.n_pair, bg.n_pair) and torch.equal(inline.s1, bg.s1)
+        bg.close()
+        assert bg._worker._thread is None
+    m = Moments(2, 4, "cpu", background=True)
+    m._products = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))  # the thread's products fail
+    m.add(0, torch.ones(3, 4), torch.ones(3, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="boom"):
+        m.finish()
+    with pytest.raises(RuntimeError, match="boom"):
+        m.add(1, torch.ones(3, 4), torch.ones(3, dtype=torch.bool))
+    m.close()
+    assert Moments(2, 4, "meta").__dict__["_worker"] is None  # not a CPU: inline (a GPU queues kernels itself)

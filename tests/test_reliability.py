@@ -109,22 +109,24 @@ def test_concurrent_writers(workdir, sources, model_factory):
     model = model_factory("gpt_neox", tied=False)
     common = ["--model", str(model), "--source", f"alpha={sources['alpha']}", "--max-length", "32"]
     # different shards at the same time: both land, equal to running them one after the other
-    par, seq = workdir / "rel-par", workdir / "rel-seq"
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "extract", *common, "--warehouse", str(par),
-                               "--shard", s], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"}) for s in ("1/2", "2/2")]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    par, seq, same, one = (workdir / f"rel-{k}" for k in ("par", "seq", "same", "one"))
+    start = lambda wh, *extra: subprocess.Popen(  # noqa: E731
+        [sys.executable, str(ROOT / "cli.py"), "extract", *common, "--warehouse", str(wh), *extra], cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    def done(p):  # True, or the end of the failed run's stderr (for the assertion's message)
+        err = p.communicate(timeout=300)[1]
+        return p.returncode == 0 or err[-2000:]
+
+    reference = start(one)  # the reference for the race below, in its own warehouse meanwhile
+    procs = [start(par, "--shard", s) for s in ("1/2", "2/2")]
+    assert [done(p) for p in procs] == [True, True]
     for s in ("1/2", "2/2"):
         assert run_cli("extract", *common, "--warehouse", seq, "--shard", s)[0] == 0
     assert snapshot(par) == snapshot(seq)
     # the same shard twice at the same time: one complete copy, never both, never a mix
-    same = workdir / "rel-same"
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "extract", *common, "--warehouse", str(same)],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"}) for _ in range(2)]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0]
-    one = workdir / "rel-one"
-    assert run_cli("extract", *common, "--warehouse", one)[0] == 0
+    procs = [start(same) for _ in range(2)]
+    assert [done(p) for p in procs + [reference]] == [True, True, True]
     assert snapshot(same) == snapshot(one)
     manifest = json.loads((same / "manifest.json").read_text())
     assert sum(e["kind"] == "data" for e in manifest["entries"].values()) == 1

@@ -71,17 +71,21 @@ def test_slurm_array_script_sweeps_and_resumes(workdir, sources, model_factory):
            "CHECKPOINTS": "step0 step5", "SOURCES": f"alpha={sources['alpha']} beta={sources['beta']}",
            "SHARDS": "1", "PYTHON": sys.executable, "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "4"}
     script = ROOT / "scripts" / "slurm" / "sweep.sbatch"
-    run = lambda task, *extra: subprocess.run(  # noqa: E731
-        ["bash", str(script), "--max-length", "32", *extra], capture_output=True, text=True, timeout=300,
-        env={**env, "SLURM_ARRAY_TASK_ID": str(task)}, cwd=ROOT)
-    for task in [0, 1, 3]:  # task 2 was "preempted"
-        p = run(task)
-        assert p.returncode == 0, p.stderr[-2000:]
+
+    def array(tasks):  # the array's tasks, all at once as Slurm starts them: {task: (exit code, stderr)}
+        procs = {t: subprocess.Popen(["bash", str(script), "--max-length", "32"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                     env={**env, "SLURM_ARRAY_TASK_ID": str(t), "OMP_NUM_THREADS": "1"})
+                 for t in tasks}
+        errs = {t: p.communicate(timeout=300)[1] for t, p in procs.items()}
+        return {t: (procs[t].returncode, err) for t, err in errs.items()}
+
+    for task, (code, err) in array([0, 1, 3]).items():  # task 2 was "preempted"
+        assert code == 0, err[-2000:]
     assert len(views(wh)["shards"]) == 3
-    for task in range(4):  # the whole array resubmitted: only task 2 runs
-        p = run(task)
-        assert p.returncode == 0, p.stderr[-2000:]
-        assert ("already in the warehouse with these settings; skipped" in p.stderr) == (task != 2), (task, p.stderr)
+    for task, (code, err) in array(range(4)).items():  # the whole array resubmitted: only task 2 runs
+        assert code == 0, err[-2000:]
+        assert ("already in the warehouse with these settings; skipped" in err) == (task != 2), (task, err)
     got = views(wh)
     assert got["shards"] == sorted((c, s, "1-of-1") for c in ("step0", "step5") for s in ("alpha", "beta"))
     one = workdir / "scale-slurm-one"
@@ -89,8 +93,8 @@ def test_slurm_array_script_sweeps_and_resumes(workdir, sources, model_factory):
                            "--source", f"beta={sources['beta']}", "--max-length", 32, "--warehouse", one)
     assert code == 0, err
     same_numbers(got, views(one))
-    p = run(4)
-    assert p.returncode == 2 and "outside the 4 units" in p.stderr
+    code, err = array([4])[4]
+    assert code == 2 and "outside the 4 units" in err
 
 
 def test_slurm_array_environment_picks_the_shard(single, workdir):
