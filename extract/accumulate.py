@@ -392,6 +392,8 @@ class Moments:
     low-priority thread (`_Worker`) and added in the same order: bit-identical sums, overlapped with
     the forward.  Everything else (n, Σh, the centre, the pair counts) is updated by the caller."""
 
+    QUEUE_BYTES = 256 << 20  # rows waiting for the background thread, at most (one call's always fits)
+
     def __init__(self, n_layers: int, d: int, device: torch.device | str, cross: bool = True,
                  precision: str = "float32", background: bool | None = None):
         if precision not in ("float32", "float64"):
@@ -411,7 +413,7 @@ class Moments:
         self._prev: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if background is None:  # on a CPU: the products fill the cores the forward leaves idle
             background = dev.type == "cpu"
-        self._worker = _Worker(depth=n_layers) if background else None
+        self._worker = _Worker(depth=n_layers, max_bytes=self.QUEUE_BYTES) if background else None
 
     @property
     def has_cross(self) -> bool:
@@ -448,7 +450,7 @@ class Moments:
         if self._worker is None:
             self._products(layer, x, px)
         else:  # x and px are this batch's own tensors: nothing else writes them
-            self._worker.submit(self._products, layer, x, px)
+            self._worker.submit(self._products, layer, x, px, nbytes=x.numel() * x.element_size())
 
     def _products(self, layer: int, x: torch.Tensor, px: torch.Tensor | None) -> None:
         """The batch's d×d products of layer `layer` (x (M, d)) and of the pair (layer − 1, layer)
@@ -490,8 +492,9 @@ class Moments:
 
 class _Worker:
     """One background thread that runs submitted calls in order, so the sums are added in the same
-    order as inline (bit-identical results).  The queue holds at most `depth` calls (the caller
-    blocks beyond: memory stays bounded by one batch's rows); the first error is re-raised by the
+    order as inline (bit-identical results).  The queue holds at most `depth` calls and `max_bytes`
+    of their tensors (the caller blocks beyond, but a call always fits into an empty queue: memory
+    stays bounded whatever the batch and model); the first error is re-raised by the
     next `submit` or `wait`.  torch releases the GIL inside its kernels, so the products run while
     the main thread drives the model.  The thread (and the OpenMP threads it starts, which inherit
     it) runs at the lowest priority, nice 19: on a CPU the forward keeps its cores and the products
@@ -500,8 +503,12 @@ class _Worker:
 
     NICE = 19
 
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, max_bytes: int | None = None):
         self._q: queue.Queue = queue.Queue(max(1, depth))
+        self._max_bytes = max_bytes
+        self._pending = 0  # bytes of the queued calls' tensors
+        self.peak_bytes = 0
+        self._room = threading.Condition()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -513,27 +520,39 @@ class _Worker:
         with torch.inference_mode():
             while True:
                 item = self._q.get()
+                if item is None:
+                    self._q.task_done()
+                    return
+                fn, args, nbytes = item
+                item = None
                 try:
-                    if item is None:
-                        return
                     if self._error is None:
-                        fn, args = item
                         fn(*args)
                 except BaseException as e:  # noqa: BLE001 — handed to the submitting thread
                     self._error = e
                 finally:
+                    args = None  # the rows are freed before room is made for more
+                    with self._room:
+                        self._pending -= nbytes
+                        self._room.notify_all()
                     self._q.task_done()
 
     def _check(self) -> None:
         if self._error is not None:
             raise self._error
 
-    def submit(self, fn, *args) -> None:
+    def submit(self, fn, *args, nbytes: int = 0) -> None:
         self._check()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="moments", daemon=True)
             self._thread.start()
-        self._q.put((fn, args))
+        with self._room:
+            while (self._max_bytes is not None and self._pending > 0
+                   and self._pending + nbytes > self._max_bytes):
+                self._room.wait()
+            self._pending += nbytes
+            self.peak_bytes = max(self.peak_bytes, self._pending)
+        self._q.put((fn, args, nbytes))
 
     def wait(self) -> None:
         if self._thread is not None:

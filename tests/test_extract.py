@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import threading
 
 import numpy as np
 import pyarrow as pa
@@ -277,3 +278,37 @@ def test_moments_on_a_background_thread_equal_inline_bit_for_bit():
         m.add(1, torch.ones(3, 4), torch.ones(3, dtype=torch.bool))
     m.close()
     assert Moments(2, 4, "meta").__dict__["_worker"] is None  # not a CPU: inline (a GPU queues kernels itself)
+
+
+def test_background_queue_is_bounded_in_bytes():
+    """The rows waiting for the moments' thread never exceed the byte cap (one call over the cap
+    still runs alone), and the sums equal inline ones."""
+    torch.manual_seed(1)
+    rows = 64 * 16 * 4  # bytes of one layer's float32 rows below
+    inline = Moments(4, 16, "cpu", background=False)
+    bg = Moments(4, 16, "cpu", background=True)
+    bg._worker._max_bytes = 2 * rows  # two layers' rows at most
+    for _ in range(6):
+        ok = torch.ones(64, dtype=torch.bool)
+        for layer in range(4):
+            h = torch.randn(64, 16)
+            inline.add(layer, h, ok)
+            bg.add(layer, h, ok)
+    bg.finish()
+    assert 0 < bg._worker.peak_bytes <= 2 * rows and bg._worker._pending == 0
+    assert all(np.array_equal(inline.s2(i), bg.s2(i)) for i in range(4))
+    w = bg._worker
+    gate, entered = threading.Event(), []
+    w.submit(gate.wait, nbytes=rows)  # the thread is busy with `rows` bytes queued
+    t = threading.Thread(target=lambda: (w.submit(lambda: None, nbytes=2 * rows), entered.append(1)))
+    t.start()
+    t.join(0.3)
+    assert not entered  # rows + 2·rows > the cap: the caller waits ...
+    gate.set()
+    t.join(5)
+    assert entered  # ... until the thread has freed the first call's rows
+    w.wait()
+    w._max_bytes = 1
+    w.submit(lambda: None, nbytes=10 * rows)  # larger than the cap: runs alone, never deadlocks
+    w.wait()
+    bg.close()
