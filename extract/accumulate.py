@@ -413,7 +413,7 @@ class Moments:
         self._prev: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if background is None:  # on a CPU: the products fill the cores the forward leaves idle
             background = dev.type == "cpu"
-        self._worker = _Worker(depth=n_layers, max_bytes=self.QUEUE_BYTES) if background else None
+        self._worker = _Worker(max_bytes=self.QUEUE_BYTES) if background else None
 
     @property
     def has_cross(self) -> bool:
@@ -492,10 +492,10 @@ class Moments:
 
 class _Worker:
     """One background thread that runs submitted calls in order, so the sums are added in the same
-    order as inline (bit-identical results).  The queue holds at most `depth` calls and `max_bytes`
-    of their tensors (the caller blocks beyond, but a call always fits into an empty queue: memory
-    stays bounded whatever the batch and model); the first error is re-raised by the
-    next `submit` or `wait`.  torch releases the GIL inside its kernels, so the products run while
+    order as inline (bit-identical results).  The queued calls' tensors (`nbytes` each) stay under
+    `max_bytes` — the caller blocks beyond, but a call always fits into an empty queue: memory
+    stays bounded whatever the batch and model; the first error is re-raised by the next `submit`
+    or `wait`.  torch releases the GIL inside its kernels, so the products run while
     the main thread drives the model.  The thread (and the OpenMP threads it starts, which inherit
     it) runs at the lowest priority, nice 19: on a CPU the forward keeps its cores and the products
     take what it leaves idle (Python between kernels, tokenising, single-threaded ops) — until the
@@ -503,8 +503,8 @@ class _Worker:
 
     NICE = 19
 
-    def __init__(self, depth: int, max_bytes: int | None = None):
-        self._q: queue.Queue = queue.Queue(max(1, depth))
+    def __init__(self, max_bytes: int):
+        self._q: queue.Queue = queue.Queue()  # bounded by bytes, below
         self._max_bytes = max_bytes
         self._pending = 0  # bytes of the queued calls' tensors
         self.peak_bytes = 0
@@ -547,8 +547,7 @@ class _Worker:
             self._thread = threading.Thread(target=self._loop, name="moments", daemon=True)
             self._thread.start()
         with self._room:
-            while (self._max_bytes is not None and self._pending > 0
-                   and self._pending + nbytes > self._max_bytes):
+            while self._pending > 0 and self._pending + nbytes > self._max_bytes:
                 self._room.wait()
             self._pending += nbytes
             self.peak_bytes = max(self.peak_bytes, self._pending)

@@ -440,7 +440,8 @@ def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, 
 
 
 def relabel_group(root, entry: dict, group: str) -> dict:
-    """A copy of merged entry `entry` as the merged entry of `group` (which has the same partials):
+    """A copy of merged entry `entry` as the merged entry of `group`, which has the same partials
+    (in practice 'all' of a one-source checkpoint), so the same merged tables:
     every file copied row group by row group with its source column set to `group`."""
     st = open_storage(root)
     key = {"model": entry["model"], "checkpoint": entry["checkpoint"], "step": entry["step"], "source": group}
@@ -543,17 +544,18 @@ def fold(root, manifest: dict, data: list[dict]) -> list[dict]:
             current = {e["key"]: e for e in current_all.get((model, checkpoint), [])}
             replaced = [current[e["key"]] for e in new if e["key"] in current]
             after = {**current, **{e["key"]: e for e in new}}
+            folded: dict[frozenset, dict] = {}  # the partials of a group folded here → its merged entry
             for group in sorted({e["source"] for e in new}) + [ALL]:
                 inside = [e for e in after.values() if _in_group(e, group)]
-                if group == ALL and len({e["source"] for e in after.values()}) == 1:
-                    # one source: 'all' has that source's partials, so its merged tables are the ones
-                    # just folded (out[-1]) — copied with source = 'all' instead of folded again
-                    out.append(relabel_group(root, out[-1], ALL))
+                members = frozenset(e["key"] for e in inside)
+                if members in folded:  # the same partials (one source: 'all'): copied, not folded again
+                    out.append(relabel_group(root, folded[members], group))
                     continue
                 out.append(fold_group(root, model, checkpoint, group,
                                       manifest["entries"].get(group_key(model, checkpoint, group)),
                                       [e for e in new if _in_group(e, group)],
                                       [e for e in replaced if _in_group(e, group)], inside))
+                folded[members] = out[-1]
     except BaseException:
         discard(root, out)
         raise
