@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import platform
 import threading
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 
 import reference as ref
 from conftest import run_cli
+from extract import accumulate
 from extract.accumulate import Moments, TokenSums
 from common.errors import UserError
 from extract.models import paper_checkpoints, parse_step, resolve_model
@@ -270,7 +272,7 @@ def test_moments_on_a_background_thread_equal_inline_bit_for_bit():
         bg.close()
         assert bg._worker._thread is None
     m = Moments(2, 4, "cpu", background=True)
-    m._products = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))  # the thread's products fail
+    m._add = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))  # the thread's work fails
     m.add(0, torch.ones(3, 4), torch.ones(3, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="boom"):
         m.finish()
@@ -278,6 +280,40 @@ def test_moments_on_a_background_thread_equal_inline_bit_for_bit():
         m.add(1, torch.ones(3, 4), torch.ones(3, dtype=torch.bool))
     m.close()
     assert Moments(2, 4, "meta").__dict__["_worker"] is None  # not a CPU: inline (a GPU queues kernels itself)
+
+
+def test_onednn_products_equal_the_torch_path_and_float64():
+    """On x86-64 the float32 products go through oneDNN on the transposed rows: against the torch
+    path (row layout, MKL) and the exact float64 products — batches of changing size (the reused
+    buffers grow and shrink) split into row chunks, an odd d, bf16 and float32 input, zeroed rows,
+    pairs."""
+    if platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available():
+        assert accumulate._ONEDNN is not None  # CI's machine takes the fast path: it is what this checks
+    else:
+        pytest.skip("oneDNN's path is x86-64 only")
+    torch.manual_seed(3)
+    for d in (17, 64):
+        fast, slow = Moments(3, d, "cpu", background=False), Moments(3, d, "cpu", background=False)
+        slow._nt = None  # the row-layout torch path
+        fast.CHUNK = 32  # several chunks per batch, a partial last one
+        exact = Moments(3, d, "cpu", precision="float64", background=False)
+        assert fast._nt is not None and exact._nt is None
+        for M, dtype in ((50, torch.float32), (120, torch.bfloat16), (7, torch.float32), (90, torch.float32)):
+            ok = torch.rand(M) > 0.1
+            for layer in range(3):
+                h = (torch.randn(M, d) * (layer + 1) + 30).to(dtype).masked_fill(~ok[:, None], 0)
+                for m in (fast, slow, exact):
+                    m.add(layer, h, ok)
+        for layer in range(3):
+            ref64 = exact.s2(layer)
+            for m in (fast, slow):
+                assert np.abs(m.s2(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max(), (d, layer)
+            assert torch.allclose(fast.s1, exact.s1, rtol=1e-14, atol=0) and torch.equal(fast.n, exact.n)
+        for layer in range(2):
+            ref64 = exact.cross(layer)
+            for m in (fast, slow):
+                assert np.abs(m.cross(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max(), (d, layer)
+        assert torch.equal(fast.n_pair, exact.n_pair)
 
 
 def test_background_queue_is_bounded_in_bytes():
