@@ -411,8 +411,9 @@ class Moments:
         Σ_rows (h−c)(h−c)ᵀ = Σhhᵀ − c sᵀ − s cᵀ + R ccᵀ,   Σ (h_l−c_l)(h_m−c_m)ᵀ = Σ h_l h_mᵀ − s_l c_mᵀ − c_l s_mᵀ + R c_l c_mᵀ
 
     so the stored sums mean the same whatever the precision.  Measured error against float64: README.
-    On an x86-64 CPU the float32 products go through oneDNN (`_onednn_nt`) on the transposed rows
-    (x (d, M): its row sums are Σh too, cheaper than column sums), elsewhere through torch.
+    On an x86-64 CPU the float32 products go through oneDNN (`_onednn_nt`) on the rows transposed
+    in chunks of ≤ CHUNK rows ((d, rows) each; a chunk's row sums give Σh cheaper than column sums),
+    each chunk's products folded into the float64 sums; elsewhere through torch (one product per batch).
 
     On a CPU (`background`, the default there) all of a batch's work — counts, Σh, the shift, the
     products — is queued to one low-priority thread (`_Worker`) and done in the same order as
