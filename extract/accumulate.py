@@ -444,7 +444,7 @@ class Moments:
         self._dtype = torch.float32 if self._shifted else torch.float64
         self._nt = _ONEDNN if self._shifted and dev.type == "cpu" else None
         self._bufs = [torch.empty(0, dtype=self._dtype, device=dev) for _ in range(2)]  # layers alternate
-        if background is None:  # on a CPU: the products fill the cores the forward leaves idle
+        if background is None:  # on a CPU: the moments' work fills the cores the forward leaves idle
             background = dev.type == "cpu"
         self._worker = _Worker(max_bytes=self.QUEUE_BYTES) if background else None
 
@@ -488,33 +488,29 @@ class Moments:
         buf = self._bufs[layer % 2]
         if buf.numel() < M * d:
             buf = self._bufs[layer % 2] = torch.empty(M * d, dtype=self._dtype, device=h.device)
-        if self._nt is not None:  # x: the rows transposed, in chunks of ≤ CHUNK rows: [(h_a..b − c)ᵀ (d, b − a)]
-            x = []
-            s = torch.zeros(d, dtype=torch.float64, device=h.device)
-            for a in range(0, M, self.CHUNK):
-                b = min(a + self.CHUNK, M)
-                xc = buf[a * d: b * d].view(d, b - a)  # contiguous: oneDNN's layout
-                xc.copy_(h[a:b].T)  # exact (float32 or bf16 values into float32)
-                s += xc.sum(1, dtype=torch.float64)  # Σh, float64 accumulation
-                x.append(xc)
-        else:  # x = h − c (M, d)
-            x = buf[: M * d].view(M, d)
-            s = h.sum(0, dtype=torch.float64)  # (d,) float64 accumulation, no float64 copy of h
+        # x: the rows in chunks, each contiguous in `buf` — oneDNN's: ≤ CHUNK rows transposed,
+        # (d, rows); torch's: all M rows as they are, (M, d)
+        T = self._nt is not None
+        step = self.CHUNK if T else max(M, 1)
+        x = []
+        s = torch.zeros(d, dtype=torch.float64, device=h.device)
+        for a in range(0, M, step):
+            b = min(a + step, M)
+            xc = buf[a * d: b * d].view((d, b - a) if T else (b - a, d))
+            xc.copy_(h[a:b].T if T else h[a:b])  # exact (float32/bf16 into float32, anything into float64)
+            s += xc.sum(1 if T else 0, dtype=torch.float64)  # Σh, float64 accumulation
+            x.append(xc)
         self._s1[layer] += s
         if self._shifted:
             if not self._c_set[layer]:  # the first batch's mean, on the device (no sync)
                 self._c[layer] = (s / n.clamp(min=1)).float()
                 self._c_set[layer] = True
-            if self._nt is not None:
-                for xc in x:
-                    xc.sub_(self._c[layer].unsqueeze(1))  # the same float32 h − c as below
-            else:
-                torch.sub(h, self._c[layer], out=x)
-        else:
-            x.copy_(h)  # float64
+            c = self._c[layer].unsqueeze(1) if T else self._c[layer]
+            for xc in x:
+                xc.sub_(c)  # h − c in float32
         px = None
         if self._cross is not None and self._prev is not None and self._prev[0] == layer - 1:
-            _, px, pok, ps = self._prev  # the previous layer's rows: the other buffer
+            _, px, pok, ps = self._prev  # the previous layer's chunks: the other buffer, the same rows
             self._n_pair[layer - 1] += (pok & ok).sum()
             self._pair_rows[layer - 1] += M
             if self._shifted:
@@ -522,18 +518,16 @@ class Moments:
                 self._pair_s[layer - 1, 1] += s
         if self._cross is not None:
             self._prev = (layer, x, ok, s)
-        if self._nt is not None:  # each chunk's float32 products folded into the float64 sums
-            k = d // 2  # upper triangle in 3/4 of xᵀx: the top rows, then the bottom-right block
-            S = self._s2[layer]
-            for i, xc in enumerate(x):
+        S = self._s2[layer]
+        for i, xc in enumerate(x):  # each chunk's products folded into the float64 sums
+            if T:  # upper triangle in 3/4 of xᵀx: the top rows, then the bottom-right block
+                k = d // 2
                 S[:k] += self._nt(xc[:k], xc)  # (k, d); its part below the diagonal is never read
                 S[k:, k:] += self._nt(xc[k:], xc[k:])  # (d − k, d − k)
-                if px is not None:  # Σ (h_l − c_l)(h_{l+1} − c_{l+1})ᵀ: the same rows' chunks
-                    self._cross[layer - 1] += self._nt(px[i], xc)
-        else:
-            self._s2[layer] += _gram_upper(x)  # upper triangle of xᵀx (lower: 0)
-            if px is not None:
-                self._cross[layer - 1] += (px.T @ x).to(torch.float64)
+            else:
+                S += _gram_upper(xc)  # upper triangle of xᵀx (lower: 0)
+            if px is not None:  # Σ (h_l − c_l)(h_{l+1} − c_{l+1})ᵀ
+                self._cross[layer - 1] += self._nt(px[i], xc) if T else (px[i].T @ xc).to(torch.float64)
 
     def finish(self) -> None:
         """Wait for the queued work (re-raising its error); the sums are complete after."""
