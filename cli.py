@@ -55,7 +55,8 @@ def extract(
     unit: str = typer.Option("document", help="document | sentence (the paper's unit; pysbd splits)."),
     max_length: Optional[int] = typer.Option(None, help="Tokens per window (default: the model's context)."),
     max_tokens: Optional[int] = typer.Option(None, help="Stop each source after N tokens."),
-    batch_size: int = typer.Option(8, help="Windows per forward pass."),
+    batch_size: Optional[int] = typer.Option(None, help="Windows per forward pass: alone, exactly N (the old fixed-count batches); with --batch-tokens, at most N."),
+    batch_tokens: Optional[int] = typer.Option(None, help="Padded tokens per forward pass at most, windows sorted by length so padding stays small (default: 8 full windows and at least 4,096: 4,096 at --max-length 512, 16,384 at 2,048)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: bfloat16 on cuda, float32 on cpu)."),
     shard: Optional[str] = typer.Option(None, help="I/N: process a deterministic 1/N of each source's documents. Default: from torchrun (RANK+1 of WORLD_SIZE), a Slurm job array (task of count), else 1/1."),
@@ -106,7 +107,8 @@ def extract(
             raise UserError("--sample must be 0 (none) or a positive count")
         if moments_precision not in ("float32", "float64"):
             raise UserError(f"--moments-precision {moments_precision!r}: expected float32 or float64")
-        for name, value in (("--batch-size", batch_size), ("--max-length", max_length), ("--max-tokens", max_tokens)):
+        for name, value in (("--batch-size", batch_size), ("--batch-tokens", batch_tokens), ("--max-length", max_length),
+                            ("--max-tokens", max_tokens)):
             if value is not None and value < 1:
                 raise UserError(f"{name} must be at least 1")
         if not source and not params_only:
@@ -122,6 +124,7 @@ def extract(
             revs += select_checkpoints(ref, checkpoints)
         revs = revs or ["main"]
         settings = Settings(unit=unit, max_length=max_length, max_tokens=max_tokens, batch_size=batch_size,
+                            batch_tokens=batch_tokens,
                             device=device, dtype=dtype, shard=launch.shard, vector_dtype=vector_dtype,
                             trust_remote_code=trust_remote_code, params_only=params_only,
                             accumulator_device=accumulator_device, skip_done=skip_done, moments=moments,

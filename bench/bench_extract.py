@@ -47,13 +47,17 @@ def make_config(args):
     return GPTNeoXConfig(intermediate_size=args.intermediate or 4 * args.hidden, **common)
 
 
-def build_model(directory: Path, args) -> Path:
+def build_model(directory: Path, args, punctuation: bool = False) -> Path:
+    """A random model saved with save_pretrained and a word-level tokenizer over 't0' … (with
+    `punctuation`, the last id is '.', so that text can be split into sentences)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(make_config(args)).save_pretrained(directory)
-    vocab = {f"t{i}": i for i in range(args.vocab)}
+    vocab = {f"t{i}": i for i in range(args.vocab - punctuation)}
+    if punctuation:
+        vocab["."] = args.vocab - 1
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0").save_pretrained(directory)

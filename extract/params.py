@@ -27,9 +27,12 @@ def partition_rows(W: torch.Tensor, chunk_bytes: int = 1 << 22) -> dict[str, lis
     """Eigen-decomposition of WᵀW and log Z(±c), raw and centred. W: (V, d), rows as stored.
 
     Computed where W lives (float64 there, CPU fallback), in chunks of rows so that memory is
-    O(chunk · d + d²) whatever V is: one pass for the means, one for the Gram matrices, one for
-    the projections.  The centred Gram matrix shares the raw one: (W−μ)ᵀ(W−μ) = WᵀW − V·μμᵀ, and
-    (W−μ)c = Wc − μ·c.  The authors' float32 convention gets its own float32 Gram matrices."""
+    O(chunk · d + d²) whatever V is, in two passes over W — what the arithmetic needs: one for Σw
+    and the Gram matrix WᵀW (V·d² multiply-adds), one for the projections onto both eigenbases at
+    once, W·[E | E_c] (2·V·d²), and their log-sum-exps.  The centred Gram matrix shares the raw
+    one: (W−μ)ᵀ(W−μ) = WᵀW − V·μμᵀ, and (W−μ)c = Wc − μ·c.  The authors' float32 convention
+    takes the same Gram matrices rounded to float32 (closer to WᵀW than a float32 sum would be;
+    its eigenvectors' signs are what it depends on), float32 projections and exp()."""
     W = W.detach()
     dev = _float64_device(W.device)
     V, d = W.shape
@@ -37,48 +40,40 @@ def partition_rows(W: torch.Tensor, chunk_bytes: int = 1 << 22) -> dict[str, lis
     chunks = [(a, min(a + rows, V)) for a in range(0, V, rows)]
 
     def part(a, b):
-        """Rows a:b in float64 and float32 (both exact copies of the stored values, never views)."""
-        w = W[a:b].to(dev, torch.float64, copy=True)  # (rows, d)
-        return w, w.float()
+        """Rows a:b in float64 (an exact copy of the stored values, never a view)."""
+        return W[a:b].to(dev, torch.float64, copy=True)  # (rows, d)
 
     total = torch.zeros(d, dtype=torch.float64, device=dev)
-    total32 = torch.zeros(d, dtype=torch.float32, device=dev)
-    for a, b in chunks:
-        w, w32 = part(a, b)
-        total += w.sum(0)
-        total32 += w32.sum(0)
-    mu, mu32 = total / V, total32 / V  # (d,)
     G = torch.zeros(d, d, dtype=torch.float64, device=dev)
-    G32 = torch.zeros(2, d, d, dtype=torch.float32, device=dev)  # raw, centred
     for a, b in chunks:
-        w, w32 = part(a, b)
+        w = part(a, b)
+        total += w.sum(0)
         G.addmm_(w.T, w)
-        G32[0].addmm_(w32.T, w32)
-        wc32 = w32 - mu32
-        G32[1].addmm_(wc32.T, wc32)
+    mu = total / V  # (d,)
     grams = (G, G - V * torch.outer(mu, mu))  # raw, centred: (d, d) each
     eig = [torch.linalg.eigh(g) for g in grams]  # (d,), (d, d): columns are eigenvectors
-    eig32 = [torch.linalg.eigh(G32[i])[1] for i in range(2)]
-    lse = torch.full((2, 2, d), -torch.inf, dtype=torch.float64, device=dev)  # centred, sign, eig
-    z32 = torch.zeros(2, d, dtype=torch.float32, device=dev)
+    E = torch.cat([eig[0][1], eig[1][1]], 1)  # (d, 2d): both bases, one product per chunk
+    shift = torch.cat([torch.zeros(d, dtype=torch.float64, device=dev), mu @ eig[1][1]])  # (2d,) μ·c, centred half
+    E32 = torch.cat([torch.linalg.eigh(g.float())[1] for g in grams], 1)  # (d, 2d) the float32 convention
+    shift32 = torch.cat([torch.zeros(d, dtype=torch.float32, device=dev), mu.float() @ E32[:, d:]])
+    lse = torch.full((2, 2 * d), -torch.inf, dtype=torch.float64, device=dev)  # sign, (raw | centred) eig
+    z32 = torch.zeros(2 * d, dtype=torch.float32, device=dev)
     for a, b in chunks:
-        w, w32 = part(a, b)
-        for c, (_, evecs) in enumerate(eig):
-            proj = w @ evecs  # (rows, d): ⟨c_k, W_i⟩
-            if c:
-                proj -= mu @ evecs
-            lse[c, 0] = torch.logaddexp(lse[c, 0], torch.logsumexp(proj, dim=0))
-            lse[c, 1] = torch.logaddexp(lse[c, 1], torch.logsumexp(-proj, dim=0))
-            # The authors' convention, in float32 from end to end (may overflow to inf).
-            z32[c] += torch.exp((w32 - mu32 if c else w32) @ eig32[c]).sum(0)
+        w = part(a, b)
+        proj = w @ E - shift  # (rows, 2d): ⟨c_k, W_i⟩, then ⟨c_k, W_i − μ⟩
+        lse[0] = torch.logaddexp(lse[0], torch.logsumexp(proj, dim=0))
+        lse[1] = torch.logaddexp(lse[1], torch.logsumexp(proj.neg_(), dim=0))
+        # The authors' convention, in float32 from end to end (may overflow to inf).
+        z32 += torch.exp(w.float() @ E32 - shift32).sum(0)
     out = {k: [] for k in ("centered", "eig_index", "eigenvalue", "log_z_pos", "log_z_neg", "z_eigh_sign")}
     for c in (0, 1):
+        half = slice(c * d, (c + 1) * d)
         out["centered"] += [bool(c)] * d
         out["eig_index"] += list(range(d))
         out["eigenvalue"] += eig[c][0].tolist()
-        out["log_z_pos"] += lse[c, 0].tolist()
-        out["log_z_neg"] += lse[c, 1].tolist()
-        out["z_eigh_sign"] += z32[c].double().tolist()
+        out["log_z_pos"] += lse[0, half].tolist()
+        out["log_z_neg"] += lse[1, half].tolist()
+        out["z_eigh_sign"] += z32[half].double().tolist()
     return out
 
 

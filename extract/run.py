@@ -42,7 +42,8 @@ class Settings:
     unit: str = "document"  # document | sentence
     max_length: int | None = None  # default: the model's context
     max_tokens: int | None = None  # per source (and shard)
-    batch_size: int = 8
+    batch_size: int | None = None  # windows per batch at most (alone: exactly, as before --batch-tokens)
+    batch_tokens: int | None = None  # padded tokens per batch at most (default: DEFAULT_BATCH_WINDOWS windows)
     device: str = "cpu"
     dtype: str = "float32"
     shard: tuple[int, int] = (1, 1)
@@ -64,6 +65,8 @@ class Settings:
 RESULT_SETTINGS = ("unit", "max_length", "max_tokens", "dtype", "shard", "vector_dtype", "pile_set", "moments",
                    "moments_precision", "sample", "special_tokens", "modules")
 DEFAULT_MAX_LENGTH = 4096  # windows of at most this many tokens unless --max-length says otherwise
+DEFAULT_BATCH_WINDOWS = 8  # the default token budget of a batch: this many full windows,
+DEFAULT_BATCH_TOKENS = 4096  # and at least this many tokens (short --max-length)
 
 
 @dataclass
@@ -163,8 +166,19 @@ def windows(loaded: Loaded, texts: Iterator[tuple[int, str]], settings: Settings
         yield from flush()
 
 
-def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_size: int,
-            count_special: bool = False
+def batch_limits(loaded: Loaded, settings: Settings) -> tuple[int | None, int | None]:
+    """(windows, padded tokens) a batch may hold.  --batch-size alone: that many windows, as
+    before token batching; otherwise a token budget (--batch-tokens; by default 8 full windows,
+    at least 4,096 tokens: 4,096 at --max-length 512, 16,384 at 2,048), with --batch-size, if
+    given, as a cap on the windows."""
+    if settings.batch_size is not None and settings.batch_tokens is None:
+        return settings.batch_size, None
+    default = max(DEFAULT_BATCH_TOKENS, DEFAULT_BATCH_WINDOWS * max_window(loaded, settings))
+    return settings.batch_size, settings.batch_tokens or default
+
+
+def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_size: int | None,
+            batch_tokens: int | None = None, count_special: bool = False
             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Padded batches (input_ids, attention_mask, counted, where) on the host, (B, T) each and
     `where` (B, T, 2): each position's document index and position in the document.  Every
@@ -172,44 +186,69 @@ def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_si
     BOS, [CLS] … [SEP]); their positions are not counted unless `count_special`, and a special
     token id met inside the text (e.g. a literal "<|endoftext|>") is not counted either: that is
     the tokenizer's special-tokens mask.  Counted specials get negative positions (−1 − k·8 − j
-    for the j-th special of the window starting at k), never a text position.  Windows are
-    sorted by length within a buffer of 32 batches to waste little padding."""
+    for the j-th special of the window starting at k), never a text position.
+
+    Packing: a batch holds at most `batch_size` windows (None: no cap) and at most `batch_tokens`
+    padded tokens, B × T with T its longest window, specials included (None: no budget; a window
+    longer than the budget goes alone).  Windows are sorted by length within a buffer of 32
+    batches' worth (length bucketing), so padding stays small and short windows (sentences) fill
+    a batch as long ones do."""
     tok = loaded.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    prefix, suffix = list(loaded.prefix), list(loaded.suffix)
-    special_ids = torch.tensor(sorted(set(getattr(tok, "all_special_ids", []) or [])), dtype=torch.long)
+    prefix = np.array(loaded.prefix, dtype=np.int64)
+    suffix = np.array(loaded.suffix, dtype=np.int64)
+    p, q = len(prefix), len(suffix)
+    special_ids = np.array(sorted(set(getattr(tok, "all_special_ids", []) or [])), dtype=np.int64)
 
     def make(group):
-        T = max(len(ids) for ids, _, _ in group) + len(prefix) + len(suffix)
-        input_ids = torch.full((len(group), T), pad, dtype=torch.long)
-        mask = torch.zeros((len(group), T), dtype=torch.long)
-        counted = torch.zeros((len(group), T), dtype=torch.bool)
-        where = torch.zeros((len(group), T, 2), dtype=torch.long)
-        for i, (ids, doc, start) in enumerate(group):
-            n, p = len(ids), len(prefix)
-            input_ids[i, : p + n + len(suffix)] = torch.tensor(prefix + ids + suffix)
-            mask[i, : p + n + len(suffix)] = 1
-            where[i, :, 0] = doc
-            where[i, p : p + n, 1] = torch.arange(start, start + n)
-            if count_special:  # every position of the window but padding
-                counted[i, : p + n + len(suffix)] = True
-                spec = list(range(p)) + list(range(p + n, p + n + len(suffix)))
-                where[i, spec, 1] = torch.tensor([-1 - start * 8 - j for j in range(len(spec))], dtype=torch.long)
-            else:
-                counted[i, p : p + n] = ~torch.isin(torch.tensor(ids), special_ids)
-        return input_ids, mask, counted, where
+        B = len(group)
+        lens = np.fromiter((len(ids) for ids, _, _ in group), dtype=np.int64, count=B)  # (B,)
+        docs = np.fromiter((doc for _, doc, _ in group), dtype=np.int64, count=B)
+        starts = np.fromiter((start for _, _, start in group), dtype=np.int64, count=B)
+        T = int(lens.max()) + p + q
+        flat = np.fromiter((t for ids, _, _ in group for t in ids), dtype=np.int64, count=int(lens.sum()))  # (N,)
+        rows = np.repeat(np.arange(B), lens)  # (N,) each text token's window
+        offs = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)  # (N,) its place in the window
+        input_ids = np.full((B, T), pad, dtype=np.int64)
+        input_ids[rows, p + offs] = flat
+        input_ids[:, :p] = prefix
+        tail = (p + lens)[:, None] + np.arange(q)  # (B, q) the suffix's columns
+        input_ids[np.arange(B)[:, None], tail] = suffix
+        mask = (np.arange(T) < (lens + p + q)[:, None]).astype(np.int64)  # (B, T)
+        where = np.zeros((B, T, 2), dtype=np.int64)
+        where[:, :, 0] = docs[:, None]
+        where[rows, p + offs, 1] = starts[rows] + offs
+        if count_special:  # every position of the window but padding
+            counted = mask.astype(bool)
+            spec = np.concatenate([np.broadcast_to(np.arange(p), (B, p)), tail], axis=1)  # (B, p + q)
+            where[np.arange(B)[:, None], spec, 1] = -1 - starts[:, None] * 8 - np.arange(p + q)
+        else:
+            counted = np.zeros((B, T), dtype=bool)
+            counted[rows, p + offs] = ~np.isin(flat, special_ids)
+        return (torch.from_numpy(input_ids), torch.from_numpy(mask), torch.from_numpy(counted),
+                torch.from_numpy(where))
+
+    def packed(buffer):
+        buffer.sort(key=lambda w: len(w[0]))
+        group: list = []
+        for w in buffer:  # ascending: the window joining is the batch's longest
+            if group and ((batch_size is not None and len(group) >= batch_size) or
+                          (batch_tokens is not None and (len(group) + 1) * (len(w[0]) + p + q) > batch_tokens)):
+                yield make(group)
+                group = []
+            group.append(w)
+        if group:
+            yield make(group)
 
     buffer: list[tuple[list[int], int, int]] = []
+    tokens = 0
     for w in wins:
         buffer.append(w)
-        if len(buffer) >= 32 * batch_size:
-            buffer.sort(key=lambda w: len(w[0]))
-            for i in range(0, len(buffer), batch_size):
-                yield make(buffer[i : i + batch_size])
-            buffer = []
-    buffer.sort(key=lambda w: len(w[0]))
-    for i in range(0, len(buffer), batch_size):
-        yield make(buffer[i : i + batch_size])
+        tokens += len(w[0]) + p + q
+        if (tokens >= 32 * batch_tokens) if batch_tokens is not None else (len(buffer) >= 32 * batch_size):
+            yield from packed(buffer)
+            buffer, tokens = [], 0
+    yield from packed(buffer)
 
 
 # ---------------------------------------------------------------- one source
@@ -250,7 +289,7 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
         start = time.perf_counter()
         with torch.inference_mode(), capture_layers(loaded.model, layout, acc.add):
             for input_ids, mask, counted, where in batches(
-                loaded, windows(loaded, texts, settings, result, splitter), settings.batch_size,
+                loaded, windows(loaded, texts, settings, result, splitter), *batch_limits(loaded, settings),
                 settings.special_tokens
             ):
                 n = acc.set_batch(input_ids, counted)
@@ -432,7 +471,9 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                 continue
         if not settings.params_only:
             merge.check_open(store.read_manifest(root), ref.name, checkpoint)  # before hours of forward passes
+        phase = {"start": time.perf_counter()}  # seconds of each fixed cost, logged per checkpoint
         loaded = load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code, settings.modules)
+        phase["load"] = time.perf_counter()
         if settings.max_length is not None and settings.max_length > loaded.context:
             raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
         d = loaded.d
@@ -447,6 +488,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         entries: list[dict] = []
         try:
             params_files = write_params(root, loaded, run_id)
+            phase["parameter tables"] = time.perf_counter()
             written += params_files.values()
             to_compute(loaded, dtype, settings.device)
             entries = [_entry("params", loaded, run_id, params_files, settings, d, prov=prov)]
@@ -458,7 +500,10 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                     if result.tokens == 0:
                         raise UserError(f"--source {source.name}: {source.describe()}: no tokens to process "
                                         f"({result.documents} documents after filters)")
+                    phase["forward"] = phase.get("forward", 0.0) + result.seconds
+                    t_write = time.perf_counter()
                     files = write_sums(root, loaded, source, settings, acc, run_id)
+                    phase["write"] = phase.get("write", 0.0) + time.perf_counter() - t_write
                 finally:
                     acc.close()
                 written += files.values()
@@ -475,7 +520,9 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                     log(f"warning: {source.name}: {result.skipped_lines} lines had bytes that are not UTF-8 (skipped)")
                 if result.nonfinite:
                     log(f"warning: {source.name}: {result.nonfinite} NaN/inf activations counted and excluded")
+            t_commit = time.perf_counter()
             merge.commit(root, entries)  # the partials and their merged tables, in one manifest write
+            phase["commit"] = time.perf_counter() - t_commit
         except BaseException:
             committed = merge.committed_files(root, entries)
             for rel in written:  # files of a commit that did not happen (never of one that did)
@@ -486,6 +533,10 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         finally:
             del loaded
         query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
+        total = time.perf_counter() - phase["start"]
+        fixed = {"load": phase["load"] - phase["start"], "parameter tables": phase["parameter tables"] - phase["load"]}
+        fixed.update({k: phase[k] for k in ("forward", "write", "commit") if k in phase})
+        log(f"{ref.name}@{checkpoint}: {total:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in fixed.items()))
         for r in results[-len(todo):] if todo and not settings.params_only else []:
             log(f"{ref.name}@{checkpoint} {r.source}: {r.tokens} tokens, {r.documents} documents, "
                 f"{r.skipped} skipped, {r.windows} windows, {r.nonfinite} non-finite, "

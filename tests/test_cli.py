@@ -50,3 +50,28 @@ def test_unavailable_models_fail_with_one_line(workdir, sources, args, message):
     code, out, err = run_cli("extract", *args, "--source", f"alpha={sources['alpha']}", "--warehouse", wh)
     assert code == 2 and err.startswith("error: " + message) and len(err.strip().splitlines()) == 1
     assert not (wh / "tables").exists() or not any((wh / "tables").rglob("*.parquet"))
+
+
+# The query side as a user runs it: each command in a fresh process, then the modules it loaded.
+_LOADED = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+           "except SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
+           "print('LOADED', code, ' '.join(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))")
+
+
+@pytest.mark.parametrize("command", [
+    ["sql", "SELECT count(*) FROM inter_sim, anisotropy, isotropy, intrinsic_dim, linearity"],
+    ["validate"], ["views"], ["report", "--out", "{tmp}/report"], ["pull", "--to", "{tmp}/copy"], ["compact"],
+])
+def test_query_side_imports_neither_torch_nor_transformers(single, tmp_path, command):
+    """sql, report, validate, views, pull and compact never load torch or transformers (start-up cost)."""
+    import shutil
+
+    wh = tmp_path / "wh"
+    shutil.copytree(single["wh"], wh)  # compact rewrites it
+    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    out = subprocess.run([sys.executable, "-c", _LOADED, "cli.py", *args, "--warehouse", str(wh)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    line = [x for x in out.stdout.splitlines() if x.startswith("LOADED")]
+    assert line, out.stderr[-2000:]
+    assert line[-1].split()[1] == "0", out.stderr[-2000:] + out.stdout[-2000:]  # the command succeeded
+    assert line[-1].split()[2:] == [], f"{command[0]} imported {line[-1].split()[2:]}"

@@ -155,6 +155,46 @@ def test_sentence_unit_feeds_sentences(workdir, sources, model_factory):
     assert json.loads(windows)["unit"] == "sentence"
 
 
+@pytest.mark.parametrize("special", [False, True])
+def test_batches_pack_by_tokens_and_sort_by_length(special):
+    """Every window exactly once, with its ids, positions and counted mask; B × T within the token
+    budget (a longer window alone), at most --batch-size windows; --batch-size alone: that many."""
+    import random
+
+    from extract.run import batches
+
+    class Tok:
+        pad_token_id, eos_token_id, all_special_ids = 0, 1, [0, 1, 2, 3]
+
+    class Loaded:
+        tokenizer, prefix, suffix = Tok(), (2,), (3,)
+
+    rng = random.Random(0)
+    wins = [([rng.randrange(1, 40) for _ in range(rng.choice([rng.randint(1, 12), rng.randint(30, 90)]))], i, 7 * i)
+            for i in range(500)]
+    for size, budget in ((None, 64), (5, 400), (None, 100_000), (8, None)):
+        seen = {}
+        out = list(batches(Loaded, iter(wins), size, budget, special))
+        for input_ids, mask, counted, where in out:
+            B, T = input_ids.shape
+            assert budget is None or B * T <= budget or B == 1
+            assert size is None or B <= size
+            for i in range(B):
+                n = int(mask[i].sum())
+                ids = input_ids[i, 1:n - 1].tolist()
+                doc = int(where[i, 0, 0])
+                assert doc not in seen and input_ids[i, 0] == 2 and input_ids[i, n - 1] == 3
+                seen[doc] = ids
+                assert where[i, 1:n - 1, 1].tolist() == list(range(7 * doc, 7 * doc + n - 2))
+                want = [True] * n if special else [False] + [t not in (1, 2, 3) for t in ids] + [False]
+                assert counted[i, :n].tolist() == want and not counted[i, n:].any()
+        assert seen == {doc: ids for ids, doc, _ in wins}
+        if budget is None:  # fixed count: full batches but the last of each 32-batch buffer
+            assert sum(b[0].shape[0] < size for b in out) <= -(-len(wins) // (32 * size))
+        if budget == 64:  # sorted within the buffer: few padded positions
+            assert sum(int((1 - b[1]).sum()) for b in out) < 0.1 * sum(b[1].numel() for b in out)
+
+
 def test_paper_checkpoints_match_the_authors_list():
     authors = ["step0"] + [f"step{int(i * 143 / 20)}000" for i in range(1, 21)]
     assert paper_checkpoints(21) == authors

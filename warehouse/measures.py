@@ -4,7 +4,6 @@ Procrustes, TwoNN.  No I/O: merge.py feeds them the merged moments and samples."
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 
 def covariance(n: int, s1: np.ndarray, s2: np.ndarray) -> np.ndarray:
@@ -42,12 +41,22 @@ def similarities_from_cov(cxx: np.ndarray, cyy: np.ndarray, cxy: np.ndarray) -> 
 
 
 def _nn_distances(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Distances of every point to its first and second nearest neighbours (exact differences)."""
-    t = torch.from_numpy(np.ascontiguousarray(X, dtype=np.float64))
-    D = torch.cdist(t, t, compute_mode="donot_use_mm_for_euclid_dist")  # (S, S)
-    D.fill_diagonal_(float("inf"))
-    two = torch.topk(D, 2, dim=1, largest=False).values.numpy()
-    return two[:, 0], two[:, 1]
+    """Distances of every point to its first and second nearest neighbours, from the exact
+    differences √Σ(x − y)² in float64 (scipy's cdist, bit-identical to torch.cdist's
+    'donot_use_mm' mode; no Gram-matrix shortcut: TwoNN reacts to the rounding of near-duplicate
+    distances).  Rows in blocks of ≤ 32 MB of distances: memory O(S·d + 4M), time O(S²·d)."""
+    from scipy.spatial.distance import cdist  # only a commit with samples needs it
+
+    X = np.ascontiguousarray(X, dtype=np.float64)  # (S, d)
+    S = len(X)
+    out = np.empty((S, 2), dtype=np.float64)
+    step = max(1, (32 << 20) // (8 * max(S, 1)))
+    for a in range(0, S, step):
+        b = min(a + step, S)
+        D = cdist(X[a:b], X)  # (b − a, S)
+        D[np.arange(b - a), np.arange(a, b)] = np.inf
+        out[a:b] = np.sort(D, axis=1)[:, :2] if S <= 2 else np.sort(np.partition(D, 1, axis=1)[:, :2], axis=1)
+    return out[:, 0], out[:, 1]
 
 
 def twonn_microscope(X: np.ndarray, reduction_factor: int = 5, eps: float = 1e-8) -> float:
