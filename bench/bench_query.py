@@ -205,8 +205,9 @@ def main() -> None:
     if a.report:  # every metric view, whole (the report's figures read these)
         from warehouse.query import load_metrics
 
-        for m in load_metrics():
-            queries.setdefault(m.name, f"SELECT * FROM {m.name}")
+        for m in load_metrics():  # per-token views (82 M rows in a sweep) by one layer, as the report reads them
+            queries.setdefault(m.name, f"SELECT * FROM {m.name} WHERE layer = 12 ORDER BY n DESC LIMIT 20"
+                               if m.name in ("token_norms", "intra_sim") else f"SELECT * FROM {m.name}")
     worst = 0.0
     for name, q in queries.items():
         s, gb = time_cli(wh, q)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3  # 3: merged tables folded at commit; 2: layer_sums gained sum_h, sum_u2, windows, window_cos
+SCHEMA_VERSION = 4  # 4: layer_metrics gained intra_types, intra_sim_sum; 3: merged tables folded at commit; 2: layer_sums gained sum_h, sum_u2, windows, window_cos
 
 # Partition columns, in directory order, per table.
 DATA_PARTITIONS = ("model", "checkpoint", "source", "shard")
@@ -195,6 +195,8 @@ LAYER_METRICS = pa.schema(_KEY_DERIVED + [
     pa.field("twonn_skdim", pa.float64()),
     pa.field("types", pa.int64()),  # token types with n ≥ 1
     pa.field("types_sum_sq", pa.float64()),  # ‖Σ_t s_t/‖s_t‖‖² over those types
+    pa.field("intra_types", pa.int64()),  # token types with n ≥ 2
+    pa.field("intra_sim_sum", pa.float64()),  # Σ over them of (‖s_t‖² − n_t)/(n_t² − n_t)
 ])
 
 TABLES: dict[str, pa.Schema] = {
