@@ -146,13 +146,13 @@ def test_model_and_checkpoint_filters(trained, workdir):
 
 def test_token_text_is_shown_as_text(monkeypatch, trained, workdir):
     evil = "<script>window.__pwned = 1</script><img src=x onerror=alert(1)>"
-    real = rep.Data.final
+    real = rep.Data.q
 
-    def final(self, name, extra="", order=""):
-        df = real(self, name, extra, order)
-        return df.with_columns(pl.lit(evil).alias("token")) if name == "intra_sim" else df
+    def q(self, sql):  # every read of the per-token view gets hostile token text
+        df = real(self, sql)
+        return df.with_columns(pl.lit(evil).alias("token")) if "FROM intra_sim" in sql and "token" in df.columns else df
 
-    monkeypatch.setattr(rep.Data, "final", final)
+    monkeypatch.setattr(rep.Data, "q", q)
     out = workdir / "evil-report"
     rep.build_report(trained, out, png=False)
     page = (out / "index.html").read_text()

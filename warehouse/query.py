@@ -137,7 +137,7 @@ def companions_current(root, manifest: dict) -> bool:
         return True
     st = open_storage(root)
     gen = manifest.get("generation", 0)
-    tag = store.generation_tag(manifest).encode()  # views.sql's first line: read only that much
+    tag = views_tag(manifest).encode()  # views.sql's first line: read only that much
     return (st.exists(store.VIEWS_FILE) and st.read_bytes(store.VIEWS_FILE, len(tag)) == tag
             and store.companion_generations(st) == (gen, gen))
 
@@ -159,6 +159,18 @@ def refresh_companions(root, strict: bool = True) -> dict:
     return manifest
 
 
+def views_tag(manifest: dict) -> str:
+    """views.sql's first line: the manifest generation it was written from and a digest of the
+    queries/*.sql it was made of, so that a changed view definition (a new version of this tool)
+    rewrites it as a new commit does."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    for path in sorted(QUERIES_DIR.glob("*.sql")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return store.generation_tag(manifest).rstrip("\n") + f" queries {h.hexdigest()}\n"
+
+
 def write_views_file(root, manifest: dict | None = None) -> str:
     """The init file for the DuckDB shell: `duckdb -init WAREHOUSE/views.sql`.  For a warehouse on
     S3 it names s3:// URLs, which the shell reads with its httpfs extension (see the README)."""
@@ -168,7 +180,7 @@ def write_views_file(root, manifest: dict | None = None) -> str:
            "duckdb (with httpfs and an S3 secret; see the README), then .read " + st.uri(store.VIEWS_FILE) +
            " -- or `python cli.py pull` for a local copy")
     text = (
-        store.generation_tag(manifest)
+        views_tag(manifest)
         + "-- Views over this warehouse, regenerated at every commit (python cli.py views rewrites it).\n"
         "-- Open with:  " + how + "\n"
         + "\n".join(all_view_sql(st, manifest)) + "\n"
