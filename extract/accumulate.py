@@ -425,7 +425,7 @@ class Moments:
     sums (`n`, `s1`, `n_pair`, `s2()`, `cross()`) wait for the queue when read."""
 
     QUEUE_BYTES = 256 << 20  # rows waiting for the background thread, at most (one call's always fits)
-    CHUNK = 512  # rows per float32 product on oneDNN's path: shorter float32 sums (README: precision; 1,024 rows exceed the 1e-7 eigenvalue bound of test_default_float32_moments_against_float64 with 4,096-token batches)
+    CHUNK = 512  # rows per float32 product on oneDNN's path: shorter float32 sums (README: precision)
 
     def __init__(self, n_layers: int, d: int, device: torch.device | str, cross: bool = True,
                  precision: str = "float32", background: bool | None = None):

@@ -471,9 +471,9 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                 continue
         if not settings.params_only:
             merge.check_open(store.read_manifest(root), ref.name, checkpoint)  # before hours of forward passes
-        phase = {"start": time.perf_counter()}  # seconds of each fixed cost, logged per checkpoint
+        t0 = time.perf_counter()
         loaded = load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code, settings.modules)
-        phase["load"] = time.perf_counter()
+        spent = {"load": time.perf_counter() - t0}  # seconds of each phase, logged per checkpoint
         if settings.max_length is not None and settings.max_length > loaded.context:
             raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
         d = loaded.d
@@ -487,8 +487,9 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         written: list[str] = []
         entries: list[dict] = []
         try:
+            t = time.perf_counter()
             params_files = write_params(root, loaded, run_id)
-            phase["parameter tables"] = time.perf_counter()
+            spent["parameter tables"] = time.perf_counter() - t
             written += params_files.values()
             to_compute(loaded, dtype, settings.device)
             entries = [_entry("params", loaded, run_id, params_files, settings, d, prov=prov)]
@@ -500,10 +501,10 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                     if result.tokens == 0:
                         raise UserError(f"--source {source.name}: {source.describe()}: no tokens to process "
                                         f"({result.documents} documents after filters)")
-                    phase["forward"] = phase.get("forward", 0.0) + result.seconds
-                    t_write = time.perf_counter()
+                    spent["forward"] = spent.get("forward", 0.0) + result.seconds
+                    t = time.perf_counter()
                     files = write_sums(root, loaded, source, settings, acc, run_id)
-                    phase["write"] = phase.get("write", 0.0) + time.perf_counter() - t_write
+                    spent["write"] = spent.get("write", 0.0) + time.perf_counter() - t
                 finally:
                     acc.close()
                 written += files.values()
@@ -520,9 +521,9 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                     log(f"warning: {source.name}: {result.skipped_lines} lines had bytes that are not UTF-8 (skipped)")
                 if result.nonfinite:
                     log(f"warning: {source.name}: {result.nonfinite} NaN/inf activations counted and excluded")
-            t_commit = time.perf_counter()
+            t = time.perf_counter()
             merge.commit(root, entries)  # the partials and their merged tables, in one manifest write
-            phase["commit"] = time.perf_counter() - t_commit
+            spent["commit"] = time.perf_counter() - t
         except BaseException:
             committed = merge.committed_files(root, entries)
             for rel in written:  # files of a commit that did not happen (never of one that did)
@@ -533,10 +534,8 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         finally:
             del loaded
         query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
-        total = time.perf_counter() - phase["start"]
-        fixed = {"load": phase["load"] - phase["start"], "parameter tables": phase["parameter tables"] - phase["load"]}
-        fixed.update({k: phase[k] for k in ("forward", "write", "commit") if k in phase})
-        log(f"{ref.name}@{checkpoint}: {total:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in fixed.items()))
+        log(f"{ref.name}@{checkpoint}: {time.perf_counter() - t0:.1f} s: " +
+            ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()))
         for r in results[-len(todo):] if todo and not settings.params_only else []:
             log(f"{ref.name}@{checkpoint} {r.source}: {r.tokens} tokens, {r.documents} documents, "
                 f"{r.skipped} skipped, {r.windows} windows, {r.nonfinite} non-finite, "

@@ -332,13 +332,10 @@ def fig_tokens(d: Data) -> Figure:
     # Each model's final checkpoint and last layer from the per-layer totals first, then only that
     # slice of the per-token view (a sweep holds 26 layers × 50k types × every checkpoint: reading it
     # whole took 14 s and 7.6 GB for 63 checkpoints).
-    ends = d.q("WITH t AS (SELECT DISTINCT model, checkpoint, step FROM layer_totals" + d.where("source = 'all'") + "), "
-               "f AS (SELECT model, arg_max(checkpoint, coalesce(step, 9223372036854775807)) AS checkpoint "
-               "FROM t GROUP BY model) SELECT f.model, f.checkpoint, max(l.layer) AS layer FROM f JOIN layer_totals l "
-               "ON l.model = f.model AND l.checkpoint = f.checkpoint AND l.source = 'all' GROUP BY ALL ORDER BY 1")
+    ends = _last_layer(d.final("layer_totals", "source = 'all'")).select("model", "checkpoint", "layer").sort("model")
     parts = [d.q(f"SELECT * FROM intra_sim WHERE model = {_lit(r['model'])} AND checkpoint = {_lit(r['checkpoint'])} "
                  f"AND layer = {r['layer']} AND n >= {TOKENS_MIN_N} ORDER BY intra_sim") for r in ends.iter_rows(named=True)]
-    df = pl.concat([p for p in parts if not p.is_empty()]) if any(not p.is_empty() for p in parts) else pl.DataFrame()
+    df = pl.concat(parts) if parts else pl.DataFrame()
     if df.is_empty():
         f.missing = f"no token type occurs {TOKENS_MIN_N} times or more"
         return f
