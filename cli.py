@@ -66,7 +66,8 @@ def extract(
     params_only: bool = typer.Option(False, "--params-only", help="Write only the parameter tables (no data)."),
     accumulator_device: Optional[str] = typer.Option(None, help="Where the float64 sums live (default: --device); 'cpu' frees GPU memory for big models."),
     moments: bool = typer.Option(True, "--moments/--no-moments", help="Store Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (float64 sums, d² per layer) for anisotropy, IsoScore, PCA, linearity, CKA (on by default)."),
-    moments_precision: str = typer.Option("float32", help="Per-batch d×d products of the moments: float32 (shifted by a centre, added into float64 sums; ~1e-7 relative, see README) | float64 (exact products, slower)."),
+    moments_precision: Optional[str] = typer.Option(None, help="Per-batch d×d products of the moments, added into float64 sums: float32 (rows shifted by a centre; ~1e-7 relative) | bfloat16 (the bf16 hidden states' exact products on tensor cores, float32 accumulation; needs --dtype bfloat16) | float64 (exact products, slowest). Default: bfloat16 on cuda with --dtype bfloat16, else float32. Errors measured: docs/performance.md."),
+    scatter: str = typer.Option("atomic", help="How per-token sums are added: atomic (scatter-add; on cuda one compiled step per layer) | segment (the batch's rows sorted by token once, summed per run, one write per distinct token: no atomic contention on frequent tokens). Same sums to float64 rounding; a choice for speed on GPUs (docs/performance.md)."),
     sample: int = typer.Option(0, help="Also keep a mergeable bottom-k sample of K token vectors per layer (intrinsic dimension)."),
     skip_done: bool = typer.Option(False, "--skip-done", help="Keep runs already in the warehouse with the same settings and data (resume a sweep) instead of replacing them."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub (off by default)."),
@@ -86,7 +87,8 @@ def extract(
     from extract.architectures import parse_module_overrides
     from extract.launch import detect, device_for, finish
     from extract.models import DTYPES, resolve_model, select_checkpoints
-    from extract.run import Settings, extract as run_extract, summary_line
+    from extract.accumulate import SCATTERS
+    from extract.run import Settings, check_moments_precision, extract as run_extract, summary_line
     from extract.sources import parse_shard, parse_source
 
     try:
@@ -105,8 +107,9 @@ def extract(
             raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
         if sample < 0:
             raise UserError("--sample must be 0 (none) or a positive count")
-        if moments_precision not in ("float32", "float64"):
-            raise UserError(f"--moments-precision {moments_precision!r}: expected float32 or float64")
+        if scatter not in SCATTERS:
+            raise UserError(f"--scatter {scatter!r}: expected one of {', '.join(SCATTERS)}")
+        moments_precision = check_moments_precision(moments_precision, accumulator_device or device, dtype)
         for name, value in (("--batch-size", batch_size), ("--batch-tokens", batch_tokens), ("--max-length", max_length),
                             ("--max-tokens", max_tokens)):
             if value is not None and value < 1:
@@ -128,7 +131,7 @@ def extract(
                             device=device, dtype=dtype, shard=launch.shard, vector_dtype=vector_dtype,
                             trust_remote_code=trust_remote_code, params_only=params_only,
                             accumulator_device=accumulator_device, skip_done=skip_done, moments=moments,
-                            moments_precision=moments_precision,
+                            moments_precision=moments_precision, scatter=scatter,
                             sample=sample, special_tokens=special_tokens, memory_budget=budget,
                             spill_dir=str(spill_dir) if spill_dir else None, modules=modules)
         start = time.perf_counter()

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from extract.accumulate import Moments, Sample, TokenSums  # noqa: E402
+from extract.accumulate import PRECISIONS, SCATTERS, Moments, Sample, TokenSums  # noqa: E402
 from extract.architectures import discover, get_module  # noqa: E402
 from extract.hooks import capture_layers, layer_kinds  # noqa: E402
 from extract.models import DTYPES, forward_kwargs, load, resolve_model, to_compute  # noqa: E402
@@ -74,6 +74,25 @@ def zipf_batches(args) -> list[torch.Tensor]:
             for _ in range(args.batches)]
 
 
+def moments_error(m, exact, L: int, precision: str) -> None:
+    """Per layer: covariance entries (max |Δ| / max |C|), eigenvalues (max |Δ| / λ_max) and cross
+    moments against float64 products of the same hidden states."""
+    n = exact.n.cpu().numpy().astype(np.float64)
+    s1, s1x = m.s1.cpu().numpy(), exact.s1.cpu().numpy()
+    worst = {"cov": 0.0, "eig": 0.0, "cross": 0.0}
+    for layer in range(L):
+        mu, mux = s1[layer] / n[layer], s1x[layer] / n[layer]
+        c, cx = m.s2(layer) / n[layer] - np.outer(mu, mu), exact.s2(layer) / n[layer] - np.outer(mux, mux)
+        worst["cov"] = max(worst["cov"], np.abs(c - cx).max() / np.abs(cx).max())
+        e, ex = np.linalg.eigvalsh(c), np.linalg.eigvalsh(cx)
+        worst["eig"] = max(worst["eig"], np.abs(e - ex).max() / ex.max())
+        if layer < L - 1 and m.has_cross:
+            x, xx = m.cross(layer), exact.cross(layer)
+            worst["cross"] = max(worst["cross"], np.abs(x - xx).max() / np.abs(xx).max())
+    print(f"moments {precision} against float64 products of the same hidden states (worst layer): covariance "
+          f"entries {worst['cov']:.1e}, eigenvalues {worst['eig']:.1e} of λ_max, cross moments {worst['cross']:.1e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="gpt_neox", choices=["gpt_neox", "llama"])
@@ -97,7 +116,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
     ap.add_argument("--moments", action="store_true", help="also accumulate Σh, Σhhᵀ and cross moments")
-    ap.add_argument("--moments-precision", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--moments-precision", default=None, choices=list(PRECISIONS),
+                    help="default: bfloat16 on cuda with --dtype bfloat16 (as extract), else float32")
+    ap.add_argument("--scatter", default="atomic", choices=list(SCATTERS), help="how the token sums are added")
+    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                    help="moments off the forward's path: a thread on a CPU (default there), a side stream on cuda")
     ap.add_argument("--sample", type=int, default=0, help="also keep a bottom-k sample of K vectors per layer")
     ap.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
                     help="also time writing the sums and report bytes per checkpoint")
@@ -127,9 +150,14 @@ def main() -> None:
         mask = torch.ones_like(batches[0])
         counted = torch.ones_like(host[0], dtype=torch.bool)
         budget = int(args.budget * 2**30) if args.budget else None
-        acc = TokenSums(len(kinds), args.vocab, args.hidden, args.device, budget=budget, fused=args.fused)
+        acc = TokenSums(len(kinds), args.vocab, args.hidden, args.device, budget=budget, fused=args.fused,
+                        scatter=args.scatter)
+        if args.moments_precision is None:
+            args.moments_precision = ("bfloat16" if args.device.startswith("cuda") and args.dtype == "bfloat16"
+                                      else "float32")
         if args.moments:
-            acc.moments = Moments(len(kinds), args.hidden, args.device, precision=args.moments_precision)
+            acc.moments = Moments(len(kinds), args.hidden, args.device, precision=args.moments_precision,
+                                  background=args.overlap)
         if args.sample:
             acc.sample = Sample(len(kinds), args.sample, args.hidden)
         rng = np.random.default_rng(1)
@@ -184,7 +212,9 @@ def main() -> None:
         tokens = args.repeats * args.batches * args.batch * args.seq
         print(f"model: {args.arch} hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
               f"{args.device} {args.dtype}; threads {torch.get_num_threads()}; "
-              f"moments {'on' if args.moments else 'off'}, sample {args.sample}, fused {acc._fused is not None}")
+              f"moments {args.moments_precision if args.moments else 'off'} (overlap "
+              f"{acc.moments is not None and acc.moments._worker is not None}), sample {args.sample}, "
+              f"fused {acc._fused is not None}, scatter {args.scatter}")
         print(f"batches: {args.batches} x ({args.batch} x {args.seq}) tokens, {args.repeats} passes, {tokens} tokens each")
         print(f"bare forward : {tokens / t_bare:10.0f} tok/s  ({t_bare:.2f} s)")
         print(f"extraction   : {tokens / t_ext:10.0f} tok/s  ({t_ext:.2f} s)")
@@ -197,6 +227,8 @@ def main() -> None:
                   f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
         if args.check:
             other = TokenSums(len(kinds), args.vocab, args.hidden, args.device, fused=acc._fused is None)
+            if args.moments:  # the same hidden states' exact products: the precision of the moments
+                other.moments = Moments(len(kinds), args.hidden, args.device, precision="float64", background=False)
             with torch.inference_mode():
                 for i in seen:  # the very batches `acc` saw, in order
                     extract(i, other)
@@ -211,6 +243,8 @@ def main() -> None:
             assert torch.equal(acc.windows.cpu(), other.windows.cpu())
             print(f"check: fused {acc._fused is not None} vs {other._fused is not None}: same token types and counts, "
                   f"max relative |Δ| of Σû, Σh, Σû², window cosines = {worst:.2e}")
+            if args.moments:
+                moments_error(acc.moments, other.moments, len(kinds), args.moments_precision)
         if args.write and loaded is not None:
             from extract.run import Settings, write_sums
             from extract.sources import Source

@@ -25,6 +25,7 @@ partial over the batch's distinct tokens is summed on the model's device first a
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import queue
@@ -40,14 +41,21 @@ import torch
 
 from common.errors import UserError
 
+PRECISIONS = ("float32", "float64", "bfloat16")  # of the moments' per-batch products
+SCATTERS = ("atomic", "segment")  # how the per-token sums are added (TokenSums)
+
 
 class TokenSums:
     """sums[layer][slot] = Σ û (float64), counts[layer, slot] = n, for the token types seen."""
 
     def __init__(self, n_layers: int, vocab: int, d: int, device: torch.device | str,
                  master_device: torch.device | str | None = None, fold_partials: bool | None = None,
-                 budget: int | None = None, spill_dir: str | Path | None = None, fused: bool | None = None):
+                 budget: int | None = None, spill_dir: str | Path | None = None, fused: bool | None = None,
+                 scatter: str = "atomic"):
+        if scatter not in SCATTERS:
+            raise UserError(f"--scatter {scatter!r}: expected one of {', '.join(SCATTERS)}")
         self.L, self.V, self.d = n_layers, vocab, d
+        self.segment = scatter == "segment"
         self.device = torch.device(device)
         self.master = torch.device(master_device or device)
         self.fold_partials = self.master != self.device if fold_partials is None else fold_partials
@@ -75,7 +83,7 @@ class TokenSums:
         self._batch = None
         # On a GPU, a few compiled kernels per layer (norm; scale + scatter-add; per-window
         # reductions) instead of ~15 eager ones, the float64 û never written to memory: `layer_step`.
-        use = self.device.type == "cuda" and not self.fold_partials if fused is None else fused
+        use = self.device.type == "cuda" and not self.fold_partials and not self.segment if fused is None else fused
         self._fused = torch.compile(layer_step, dynamic=True) if use else None
         self._compiled_once = False
         self.moments: Moments | None = None  # optional consumers of the raw (unnormalised) vectors
@@ -182,6 +190,11 @@ class TokenSums:
                          torch.arange(len(sel_np), device=self.device),
                          torch.from_numpy(np.bincount(win_np, minlength=B)).to(self.device, non_blocking=True))
         self._counted = counted.to(self.device, non_blocking=True) if self._fused is not None else None
+        if self.segment:  # the batch's rows sorted by slot once; per layer, segment sums over the runs
+            order = np.argsort(slots, kind="stable")  # (M,)
+            uniq, lengths = np.unique(slots[order], return_counts=True)  # (U,), (U,)
+            to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+            self._segments = (to(order), to(lengths), to(uniq).to(self.master), to(np.bincount(win_np, minlength=B)))
         if not self.fold_partials:
             self._batch = (sel, torch.from_numpy(slots).to(self.device, non_blocking=True), None)
         else:  # fold a per-batch partial over the batch's distinct tokens into the remote master
@@ -236,6 +249,9 @@ class TokenSums:
         if self.moments is not None:
             self.moments.add(layer, h, ok)
         x = h * inv.unsqueeze(1)  # (M, d) float64 û (type promotion: exact upcast, float64 product)
+        if self.segment:
+            self._segment_add(layer, h, x, counts, n_w)
+            return
         self._window_stats(layer, *window_sums(h, norm, x, counts, win, n_win, cols), n_w, (x * x).sum(0))
         if uniq is None:
             self.sums[layer].index_add_(0, index, x)
@@ -246,6 +262,24 @@ class TokenSums:
             count = torch.zeros(len(uniq), dtype=torch.int64, device=x.device).index_add_(0, index, counts)
             self.sums[layer].index_add_(0, uniq, partial.to(self.master))
             self.counts[layer].index_add_(0, uniq, count.to(self.master))
+
+    def _segment_add(self, layer: int, h: torch.Tensor, x: torch.Tensor, counts: torch.Tensor,
+                     n_w: torch.Tensor) -> None:
+        """The token and window sums without atomic adds (`scatter="segment"`): the rows sorted by
+        slot (the order `set_batch` computed once per batch), summed per run of equal slots
+        (`segment_reduce`: one pass, no two threads adding into one row), then one read-modify-write
+        of each distinct slot's float64 row; the per-window sums are segment sums too (a window's
+        rows are contiguous).  h (M, d) raw, x (M, d) float64 û, counts (M,) 0/1 (excluded rows zero)."""
+        order, lengths, uniq, rows_w = self._segments
+        seg = lambda a, n: torch.segment_reduce(a, "sum", lengths=n, unsafe=True)  # noqa: E731
+        part = seg(x.index_select(0, order), lengths)  # (U, d) float64
+        n = seg(counts.index_select(0, order).to(torch.float64), lengths).round_().long()  # (U,) exact ints
+        if self.master != x.device:
+            part, n = part.to(self.master), n.to(self.master)
+        S, C = self.sums[layer], self.counts[layer]
+        S.index_copy_(0, uniq, S.index_select(0, uniq) + part)  # slots distinct: no two writes collide
+        C.index_copy_(0, uniq, C.index_select(0, uniq) + n)
+        self._window_stats(layer, seg(h.to(torch.float64), rows_w), seg(x, rows_w), n_w, (x * x).sum(0))
 
     def _window_stats(self, layer, m, u, n_w, u2) -> None:
         """Fold one batch's per-window sums m = Σh (B, d), u = Σû (B, d), n_w (B,) and Σû² (d,)."""
@@ -396,6 +430,29 @@ def _onednn_nt():
 _ONEDNN = _onednn_nt()
 
 
+
+def _mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a b in float32 for bfloat16 a (i, k), b (k, j): every product exact (8-bit significands),
+    accumulated in float32.  On a GPU one tensor-core GEMM with a float32 output (`out_dtype`, no
+    rounding of the result to bf16); elsewhere the operands upcast exactly to float32, the same
+    arithmetic in another summation order."""
+    if a.is_cuda and _mm_out_dtype():
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+@functools.cache
+def _mm_out_dtype() -> bool:
+    """Whether this torch has `torch.mm(..., out_dtype=)` for CUDA (bf16 in, float32 out); asked
+    once, on first use (not at import: that would start CUDA for every command)."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+
 class Moments:
     """Per layer: n, Σh (d,), Σhhᵀ (d, d); per consecutive pair (l, l+1): Σ h_l h_{l+1}ᵀ — summed in
     float64 over the raw hidden states.  A vector with NaN/inf or zero norm is left out of its layer
@@ -427,11 +484,14 @@ class Moments:
     QUEUE_BYTES = 256 << 20  # rows waiting for the background thread, at most (one call's always fits)
     CHUNK = 512  # rows per float32 product on oneDNN's path: shorter float32 sums (README: precision)
 
+    CHUNK_BF16 = 4096  # rows per bf16 product (float32 accumulation inside it): README, precision
+
     def __init__(self, n_layers: int, d: int, device: torch.device | str, cross: bool = True,
                  precision: str = "float32", background: bool | None = None):
-        if precision not in ("float32", "float64"):
-            raise ValueError(f"moments precision {precision!r}: expected float32 or float64")
+        if precision not in PRECISIONS:
+            raise ValueError(f"moments precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
         dev = torch.device(device)
+        self._bf16 = precision == "bfloat16"
         self._n = torch.zeros(n_layers, dtype=torch.int64, device=dev)
         self._s1 = torch.zeros(n_layers, d, dtype=torch.float64, device=dev)
         self._s2 = torch.zeros(n_layers, d, d, dtype=torch.float64, device=dev)  # Σ(h−c)(h−c)ᵀ, upper triangle
@@ -444,12 +504,18 @@ class Moments:
         self._pair_rows = [0] * max(n_layers - 1, 0)
         self._pair_s = torch.zeros(max(n_layers - 1, 0), 2, d, dtype=torch.float64, device=dev)  # s_l, s_m over pair batches
         self._prev: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._dtype = torch.float32 if self._shifted else torch.float64
+        self._dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[precision]
         self._nt = _ONEDNN if self._shifted and dev.type == "cpu" else None
         self._bufs = [torch.empty(0, dtype=self._dtype, device=dev) for _ in range(2)]  # layers alternate
+        self._pair = torch.empty(0, dtype=torch.bfloat16, device=dev)  # bfloat16: (M, 2d), layers alternate halves
         if background is None:  # on a CPU: the moments' work fills the cores the forward leaves idle
             background = dev.type == "cpu"
-        self._worker = _Worker(max_bytes=self.QUEUE_BYTES) if background else None
+        if not background:
+            self._worker = None
+        elif dev.type == "cuda":  # a side stream: the products overlap the forward's kernels, no host sync
+            self._worker = _SideStream(dev)
+        else:
+            self._worker = _Worker(max_bytes=self.QUEUE_BYTES)
 
     @property
     def has_cross(self) -> bool:
@@ -476,6 +542,9 @@ class Moments:
     def add(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> None:
         """h: (M, d) raw vectors of the batch's counted positions, rows that are not ok zeroed;
         ok: (M,) bool.  The caller must not modify h or ok afterwards (a thread may read them later)."""
+        if self._bf16 and h.dtype != torch.bfloat16:
+            raise UserError(f"--moments-precision bfloat16 needs bfloat16 hidden states; layer {layer}'s are "
+                            f"{str(h.dtype).removeprefix('torch.')}: use --moments-precision float32")
         dev = self._s1.device
         h, ok = h.to(dev), ok.to(dev)
         if self._worker is None:
@@ -484,6 +553,8 @@ class Moments:
             self._worker.submit(self._add, layer, h, ok, nbytes=h.numel() * h.element_size())
 
     def _add(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> None:
+        if self._bf16:
+            return self._add_bf16(layer, h, ok)
         n = ok.sum()
         self._n[layer] += n
         M, d = h.shape
@@ -532,6 +603,42 @@ class Moments:
             if px is not None:  # Σ (h_l − c_l)(h_{l+1} − c_{l+1})ᵀ
                 self._cross[layer - 1] += self._nt(px[i], xc) if T else (px[i].T @ xc).to(torch.float64)
 
+    def _add_bf16(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> None:
+        """precision "bfloat16": the raw rows as they are (bf16 hidden states: no centre, whose
+        subtraction would round), so every product is exact in float32; float32 accumulation over
+        ≤ CHUNK_BF16 rows per product (tensor cores on a GPU), each product added into the float64
+        sums.  A layer's rows go to one half of an (M, 2d) buffer, the halves alternating by layer,
+        so that its Gram matrix and the cross moment with the previous layer (the other half, the
+        same rows) are one product: [h_prev | h]ᵀ h, (2d, d) — full, not the upper triangle (one
+        larger product instead of two smaller ones)."""
+        M, d = h.shape
+        self._n[layer] += ok.sum()
+        self._s1[layer] += h.sum(0, dtype=torch.float64)
+        self._rows[layer] += M
+        if self._pair.shape[0] < M or self._pair.shape[1] != 2 * d:
+            self._pair = torch.empty(M, 2 * d, dtype=torch.bfloat16, device=h.device)
+            self._prev = None  # the previous layer's rows were not kept
+        half = layer % 2
+        cur = slice(half * d, (half + 1) * d)
+        buf = self._pair[:M]
+        buf[:, cur] = h  # exact copy
+        paired = (self._cross is not None and self._prev is not None and self._prev[0] == layer - 1
+                  and self._prev[1] == M)
+        if paired:
+            pok = self._prev[2]
+            self._n_pair[layer - 1] += (pok & ok).sum()
+        if self._cross is not None:
+            self._prev = (layer, M, ok)
+        for a in range(0, M, self.CHUNK_BF16):
+            rows = buf[a: a + self.CHUNK_BF16]  # (k, 2d)
+            if paired:  # rows of [Σ h_prev hᵀ ; Σ h hᵀ] or the reverse, by which half is which
+                P = _mm_bf16(rows.T, rows[:, cur])  # (2d, d) float32
+                self._s2[layer] += P[cur]
+                self._cross[layer - 1] += P[(1 - half) * d: (2 - half) * d]
+            else:
+                x = rows[:, cur]
+                self._s2[layer] += _mm_bf16(x.T, x)  # (d, d)
+
     def finish(self) -> None:
         """Wait for the queued work (re-raising its error); the sums are complete after."""
         if self._worker is not None:
@@ -561,6 +668,33 @@ class Moments:
             sa, sb = self._pair_s[layer, 0], self._pair_s[layer, 1]
             C = C + torch.outer(sa, b) + torch.outer(a, sb) - self._pair_rows[layer] * torch.outer(a, b)
         return C.cpu().numpy()
+
+
+class _SideStream:
+    """The `_Worker` interface on a CUDA side stream: each call is queued on the side stream after
+    the work the current stream has queued so far (so it sees the layer's hidden states), and runs
+    while the forward's next kernels run — no host synchronisation; `wait` makes the current stream
+    wait for it.  The inputs are marked as used by the side stream (`record_stream`), so the
+    caching allocator does not hand their memory out before the side stream is done with them."""
+
+    def __init__(self, device: torch.device):
+        self._stream = torch.cuda.Stream(device)
+        self.peak_bytes = 0
+
+    def submit(self, fn, *args, nbytes: int = 0) -> None:
+        main = torch.cuda.current_stream(self._stream.device)
+        self._stream.wait_stream(main)
+        with torch.cuda.stream(self._stream):
+            fn(*args)
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.is_cuda:
+                a.record_stream(self._stream)
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+
+    def close(self) -> None:
+        self.wait()
 
 
 class _Worker:

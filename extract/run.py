@@ -28,7 +28,7 @@ from common.errors import UserError
 from warehouse import merge, query, schema, store
 from warehouse.storage import open_storage
 
-from .accumulate import Moments, Sample, TokenSums
+from .accumulate import PRECISIONS, Moments, Sample, TokenSums
 from .architectures import get_module
 from .hooks import capture_layers, layer_kinds
 from .models import DTYPES, Loaded, ModelRef, check_dtype, forward_kwargs, load, to_compute
@@ -53,7 +53,8 @@ class Settings:
     accumulator_device: str | None = None
     skip_done: bool = False  # keep finished (checkpoint, source, shard) runs with the same settings
     moments: bool = True  # Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (the peers' measures)
-    moments_precision: str = "float32"  # per-batch products: float32 (shifted) or float64
+    moments_precision: str = "float32"  # per-batch products: float32 (shifted), bfloat16 or float64
+    scatter: str = "atomic"  # per-token sums: atomic (scatter-add) | segment (sorted once, segment sums)
     sample: int = 0  # K: bottom-k sample of token vectors per layer (0 = none)
     special_tokens: bool = False  # count the positions of the tokenizer's special tokens (BOS, [CLS], …)
     memory_budget: int | None = None  # bytes for the token sums; None: half the memory free at the start
@@ -67,6 +68,19 @@ RESULT_SETTINGS = ("unit", "max_length", "max_tokens", "dtype", "shard", "vector
 DEFAULT_MAX_LENGTH = 4096  # windows of at most this many tokens unless --max-length says otherwise
 DEFAULT_BATCH_WINDOWS = 8  # the default token budget of a batch: this many full windows,
 DEFAULT_BATCH_TOKENS = 4096  # and at least this many tokens (short --max-length)
+
+
+def check_moments_precision(precision: str | None, device: str, dtype: str) -> str:
+    """--moments-precision as given, or its default: bfloat16 where the moments live on a GPU and the
+    model computes in bfloat16 (exact products on tensor cores), else float32."""
+    if precision is None:
+        return "bfloat16" if device.startswith("cuda") and dtype == "bfloat16" else "float32"
+    if precision not in PRECISIONS:
+        raise UserError(f"--moments-precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if precision == "bfloat16" and dtype != "bfloat16":
+        raise UserError(f"--moments-precision bfloat16 needs --dtype bfloat16 (the products are exact only for "
+                        f"bfloat16 hidden states), not {dtype}")
+    return precision
 
 
 @dataclass
@@ -271,7 +285,7 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
     kinds = layer_kinds(loaded.model, layout)
     d = loaded.d
     acc = TokenSums(len(kinds), emb.weight.shape[0], d, settings.device, settings.accumulator_device,
-                    budget=memory_budget(settings), spill_dir=settings.spill_dir)
+                    budget=memory_budget(settings), spill_dir=settings.spill_dir, scatter=settings.scatter)
     try:
         if settings.moments:
             acc.moments = Moments(len(kinds), d, settings.accumulator_device or settings.device,

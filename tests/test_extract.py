@@ -257,7 +257,8 @@ def test_compiled_gpu_step_equals_the_eager_path():
     and zero vectors included (compiled here for the CPU; on a GPU the same graph becomes Triton)."""
     torch.manual_seed(0)
     accs = [TokenSums(2, 20, 8, "cpu", fused=f) for f in (False, True)]
-    for acc in accs:  # the moments ride along on both paths
+    accs += [TokenSums(2, 20, 8, "cpu", scatter="segment", fold_partials=f) for f in (False, True)]
+    for acc in accs:  # the moments ride along on every path
         acc.moments = Moments(2, 8, "cpu", precision="float64")
     for step in range(2):
         ids = torch.randint(0, 20, (3, 6))
@@ -272,16 +273,17 @@ def test_compiled_gpu_step_equals_the_eager_path():
             acc.set_batch(ids, counted)
             for layer in range(2):
                 acc.add(layer, hidden * (layer + 1))
-    eager, fused = accs
-    assert fused._fused is not None and eager._fused is None
-    for layer in range(2):
-        (ce, se), (cf, sf) = eager.dense(layer), fused.dense(layer)
-        assert torch.equal(ce, cf) and torch.allclose(se, sf, rtol=1e-13, atol=1e-13)
-    for name in ("nonfinite", "zero", "windows"):
-        assert torch.equal(getattr(eager, name), getattr(fused, name)), name
+    eager, fused, *segment = accs
+    assert fused._fused is not None and eager._fused is None and all(a._fused is None for a in segment)
+    for other in (fused, *segment):  # the compiled step; sort-and-segment sums, on the device and folded
+        for layer in range(2):
+            (ce, se), (cf, sf) = eager.dense(layer), other.dense(layer)
+            assert torch.equal(ce, cf) and torch.allclose(se, sf, rtol=1e-13, atol=1e-13)
+        for name in ("nonfinite", "zero", "windows"):
+            assert torch.equal(getattr(eager, name), getattr(other, name)), name
+        for name in ("sum_h", "sum_u2", "window_cos"):
+            assert torch.allclose(getattr(eager, name), getattr(other, name), rtol=1e-12, atol=1e-12), name
     assert eager.nonfinite.tolist() == [2, 2] and eager.zero.tolist() == [2, 2]
-    for name in ("sum_h", "sum_u2", "window_cos"):
-        assert torch.allclose(getattr(eager, name), getattr(fused, name), rtol=1e-12, atol=1e-12), name
     me, mf = eager.moments, fused.moments
     assert torch.equal(me.n, mf.n) and torch.equal(me.n_pair, mf.n_pair) and me.n.tolist() == [26, 26]  # 30 counted, 4 NaN/zero
     assert torch.allclose(me.s1, mf.s1, rtol=1e-13, atol=1e-13)
@@ -354,6 +356,92 @@ def test_onednn_products_equal_the_torch_path_and_float64():
             for m in (fast, slow):
                 assert np.abs(m.cross(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max(), (d, layer)
         assert torch.equal(fast.n_pair, exact.n_pair)
+
+
+def test_bfloat16_moments_are_exact_products_against_float64():
+    """precision "bfloat16" (the GPU default with a bf16 model): the raw bf16 rows' products, exact
+    in float32, accumulated in float32 over ≤ CHUNK_BF16 rows, Gram and cross moment as one
+    [h_prev | h]ᵀ h product — against float64 products on the same rows: batches of changing size
+    (the pair buffer grows), several chunks and a partial last one, zeroed rows, a large mean
+    (no centre: the products must stay exact), the background thread bit for bit; float32 rows
+    are refused with a one-line error."""
+    a = torch.tensor([[3.0, -2.5, 0.5], [1.25, 7.0, -0.75]]).bfloat16()  # exact in float32 and float64
+    assert torch.equal(accumulate._mm_bf16(a, a.T).double(), a.double() @ a.double().T)
+    torch.manual_seed(5)
+    for d in (17, 64):
+        fast = [Moments(3, d, "cpu", precision="bfloat16", background=b) for b in (False, True)]
+        for m in fast:
+            m.CHUNK_BF16 = 32
+        exact = Moments(3, d, "cpu", precision="float64", background=False)
+        for M in (50, 120, 7, 90):
+            ok = torch.rand(M) > 0.1
+            for layer in range(3):
+                h = (torch.randn(M, d) * (layer + 1) + 4).bfloat16().masked_fill(~ok[:, None], 0)
+                for m in (*fast, exact):
+                    m.add(layer, h, ok)
+        inline, bg = fast
+        for layer in range(3):
+            ref64 = exact.s2(layer)
+            assert np.array_equal(inline.s2(layer), bg.s2(layer))
+            assert np.abs(inline.s2(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max(), (d, layer)  # ~3e-8
+        for layer in range(2):
+            ref64 = exact.cross(layer)
+            assert np.array_equal(inline.cross(layer), bg.cross(layer))
+            assert np.abs(inline.cross(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max(), (d, layer)
+        assert torch.equal(inline.s1, exact.s1) and torch.equal(inline.n, exact.n)  # bf16 sums of ≤ 120 rows: exact
+        assert torch.equal(inline.n_pair, exact.n_pair)
+        bg.close()
+    with pytest.raises(UserError, match="needs bfloat16 hidden states; layer 1's are float32"):
+        Moments(2, 4, "cpu", precision="bfloat16").add(1, torch.ones(3, 4), torch.ones(3, dtype=torch.bool))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU tests above cover the arithmetic)")
+def test_gpu_paths_against_float64_without_host_syncs():
+    """On a GPU: the compiled step and the sort-and-segment token sums against the CPU's eager
+    path; bf16 moments (tensor cores, float32 out) on the side stream against float64 products;
+    and no host synchronisation inside `add` (CUDA's sync debug mode raises on one)."""
+    torch.manual_seed(0)
+    L, V, d = 3, 500, 64
+    cpu = TokenSums(L, V, d, "cpu")
+    cpu.moments = Moments(L, d, "cpu", precision="float64", background=False)
+    gpus = [TokenSums(L, V, d, "cuda"), TokenSums(L, V, d, "cuda", scatter="segment")]
+    for g in gpus:
+        g.moments = Moments(L, d, "cuda", precision="bfloat16", background=True)
+    assert gpus[0]._fused is not None and gpus[1]._fused is None
+    assert isinstance(gpus[0].moments._worker, accumulate._SideStream)
+    for step in range(4):
+        ids = torch.randint(0, V, (4, 50))
+        counted = torch.ones(4, 50, dtype=torch.bool)
+        counted[3, 40:] = False
+        hidden = [(torch.randn(4, 50, d) * (layer + 1) + 2).bfloat16() for layer in range(L)]
+        hidden[1][0, 3] = 0.0
+        cpu.set_batch(ids, counted)
+        for layer, h in enumerate(hidden):
+            cpu.add(layer, h)
+        for g in gpus:
+            g.set_batch(ids, counted)
+            hs = [h.cuda() for h in hidden]
+            torch.cuda.synchronize()
+            if step:  # the first batch compiles
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                for layer, h in enumerate(hs):
+                    g.add(layer, h)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    for g in gpus:
+        for layer in range(L):
+            (cc, sc), (cg, sg) = cpu.dense(layer), g.dense(layer)
+            assert torch.equal(cc, cg) and torch.allclose(sc, sg, rtol=1e-12, atol=1e-12)
+            ref64 = cpu.moments.s2(layer)
+            assert np.abs(g.moments.s2(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max()
+        for layer in range(L - 1):
+            ref64 = cpu.moments.cross(layer)
+            assert np.abs(g.moments.cross(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max()
+        assert torch.equal(g.moments.n.cpu(), cpu.moments.n) and torch.equal(g.zero.cpu(), cpu.zero)
+        for name in ("sum_h", "window_cos"):
+            assert torch.allclose(getattr(g, name).cpu(), getattr(cpu, name), rtol=1e-12, atol=1e-12), name
+        g.close()
 
 
 def test_background_queue_is_bounded_in_bytes():

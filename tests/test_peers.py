@@ -104,6 +104,77 @@ def test_pca_spectrum_effective_rank_and_outlier_dims_equal_numpy(peers):
             np.testing.assert_allclose(got_share, share, rtol=1e-6)
 
 
+def alpha_req_numpy(eigenvalues: np.ndarray) -> float | None:
+    """αReQ by its definition: the weighted (1/k) least-squares line through (log k, log λ_k),
+    k = 12 … min(100, d − 10), λ_k > 0 (eigenvalues descending); None below 10 ranks."""
+    d = len(eigenvalues)
+    k = np.arange(1, d + 1)
+    keep = (k >= 12) & (k <= min(100, d - 10)) & (eigenvalues > 0)
+    if keep.sum() < 10:
+        return None
+    x, y, w = np.log(k[keep]), np.log(eigenvalues[keep]), np.sqrt(1.0 / k[keep])
+    slope, _ = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1) * w[:, None], y * w, rcond=None)[0]
+    return -slope
+
+
+def test_alpha_req_and_outlier_kurtosis_equal_numpy(peers):
+    """alpha_req and outlier_kurtosis against numpy on the hidden states captured by hooks (two
+    sources, alpha in 2 shards, and 'all')."""
+    alpha, kurt = view(peers, "alpha_req", "alpha_req"), view(peers, "outlier_kurtosis", "kurtosis")
+    for source in SOURCES:
+        for layer, (_, X) in peers["states"][source].items():
+            want = alpha_req_numpy(np.sort(np.linalg.eigvalsh(np.cov(X.T)))[::-1])
+            assert want is not None  # d = 32: ranks 12 … 22
+            assert alpha[(source, layer)] == pytest.approx(want, rel=1e-6), (source, layer)
+            s = (X * X).mean(0)  # raw second moment per dimension
+            assert kurt[(source, layer)] == pytest.approx((s * s).mean() / s.mean() ** 2, rel=1e-6), (source, layer)
+
+
+def test_alpha_req_known_answers_and_null():
+    """λ_k = 3·k^(−1.3) exactly: α = 1.3; ranks beyond the fit window and λ ≤ 0 outside it are
+    ignored; fewer than 10 ranks in range (d = 30: k = 12 … 20) or λ ≤ 0 inside it: NULL."""
+    import duckdb
+
+    def fit(eigs):
+        con = duckdb.connect()
+        con.execute("CREATE TABLE spectrum (model VARCHAR, checkpoint VARCHAR, step BIGINT, source VARCHAR, "
+                    "layer SMALLINT, n BIGINT, k INTEGER, eigenvalue DOUBLE)")
+        con.executemany("INSERT INTO spectrum VALUES ('m', 'c', NULL, 'all', 0, 1000, ?, ?)",
+                        [[k, float(v)] for k, v in enumerate(eigs, 1)])
+        body = next(m.body for m in load_metrics() if m.name == "alpha_req")
+        return con.execute(f"SELECT alpha_req FROM ({body})").fetchall()[0][0]
+
+    k = np.arange(1, 257, dtype=float)
+    lam = 3 * k ** -1.3
+    assert fit(lam) == pytest.approx(1.3, rel=1e-12)
+    noisy = lam * np.exp(np.random.default_rng(0).normal(0, 0.1, len(k)))
+    assert fit(np.sort(noisy)[::-1]) == pytest.approx(alpha_req_numpy(np.sort(noisy)[::-1]), rel=1e-9)
+    assert fit(np.r_[lam[:-1], 0.0]) == pytest.approx(1.3, rel=1e-12)  # k = 256 is outside the window
+    assert fit(lam[:30]) is None and alpha_req_numpy(lam[:30]) is None  # 9 ranks
+    assert fit(lam[:31]) == pytest.approx(1.3, rel=1e-12)  # 10 ranks
+    assert fit(np.r_[lam[:12], np.zeros(19)]) is None  # rank-deficient: no λ > 0 in the window
+
+
+def test_weight_spectrum_equals_numpy_svd(peers, model_factory):
+    """Singular values of the stored embedding and unembedding, raw and centred, against numpy's SVD."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_factory("gpt_neox", tied=False))
+    mats = {"embedding": model.get_input_embeddings().weight, "unembedding": model.get_output_embeddings().weight}
+    rows = peers["con"].execute("SELECT matrix, tied, centered, rows, k, singular_value FROM weight_spectrum "
+                                "ORDER BY matrix, centered, k").fetchall()
+    assert {(r[0], r[2]) for r in rows} == {(m, c) for m in mats for c in (False, True)}
+    for name, W in mats.items():
+        W = W.detach().double().numpy()
+        for centered in (False, True):
+            A = W - W.mean(0) if centered else W
+            want = np.linalg.svd(A, compute_uv=False)  # descending
+            got = [r for r in rows if r[0] == name and r[2] == centered]
+            assert [r[4] for r in got] == list(range(1, len(want) + 1))
+            assert all(r[1] is False and r[3] == W.shape[0] for r in got)
+            np.testing.assert_allclose([r[5] for r in got], want, rtol=1e-6, atol=1e-9 * want[0])
+
+
 def test_linearity_equals_procrustes_similarity(peers):
     f = microscope()
     got = view(peers, "linearity", "linearity")
@@ -283,6 +354,50 @@ def test_cka_and_orthogonal_procrustes_equal_svd(peers):
             assert got[(source, layer)][0] == pytest.approx(cka, rel=1e-9)
             assert got[(source, layer)][1] == pytest.approx(proc, rel=1e-9)
             assert 0 < proc <= 1 and 0 < cka <= 1
+
+
+def test_bfloat16_moments_against_float64_end_to_end(workdir, sources, model_factory):
+    """`--dtype bfloat16 --moments-precision bfloat16` (the GPU default, here on the CPU: the same
+    products upcast) against exact float64 products of the same bf16 hidden states, through the
+    CLI: covariances, eigenvalues and the moment views to the bounds docs/performance.md states;
+    the precision is recorded; float32 hidden states are refused before anything runs."""
+    model = model_factory("gpt_neox", tied=False)
+    cons = {}
+    for precision in ("bfloat16", "float64"):
+        wh = workdir / f"bf16-moments-{precision}"
+        code, _, err = run_cli("extract", "--model", model, "--source", f"alpha={sources['alpha']}", "--source",
+                               f"beta={sources['beta']}", "--warehouse", wh, "--max-length", MAXLEN, "--dtype",
+                               "bfloat16", "--moments-precision", precision)
+        assert code == 0, err
+        cons[precision] = connect(wh)
+    q = "SELECT layer, n, s1, s2, s_cross FROM moments_merged WHERE source = 'all' ORDER BY layer"
+    got, want = cons["bfloat16"].execute(q).fetchall(), cons["float64"].execute(q).fetchall()
+    assert len(got) == len(want) > 2
+    for (layer, n, s1, s2, sx), (_, n64, s1_64, s2_64, sx64) in zip(got, want):
+        assert n == n64 and np.array_equal(s1, s1_64)  # Σh is float64 either way
+        d = len(s1)
+        cov = lambda a, b: np.array(b).reshape(d, d) / n - np.outer(a, a) / n**2  # noqa: E731
+        c16, c64 = cov(s1, s2), cov(s1_64, s2_64)
+        assert np.abs(c16 - c64).max() <= 1e-5 * np.abs(c64).max(), layer
+        e16, e64 = np.linalg.eigvalsh(c16), np.linalg.eigvalsh(c64)
+        assert np.abs(e16 - e64).max() <= 1e-6 * e64.max(), layer
+        if sx is not None:
+            assert np.abs(np.array(sx) - np.array(sx64)).max() <= 1e-6 * np.abs(np.array(sx64)).max()
+    for name, col in (("anisotropy", "anisotropy"), ("isoscore", "isoscore"), ("effective_rank", "effective_rank"),
+                      ("linearity", "cka"), ("linearity", "linearity")):
+        q = f"SELECT layer, {col} FROM {name} WHERE source = 'all'"
+        a, b = dict(cons["bfloat16"].execute(q).fetchall()), dict(cons["float64"].execute(q).fetchall())
+        assert a.keys() == b.keys() and a
+        for k in b:
+            assert abs(a[k] - b[k]) <= 1e-5 * max(abs(b[k]), 1e-3), (name, col, k, a[k], b[k])
+    settings = json.loads(cons["bfloat16"].execute("SELECT settings FROM runs WHERE kind = 'data' LIMIT 1").fetchone()[0])
+    assert settings["moments_precision"] == "bfloat16" and settings["dtype"] == "bfloat16"
+    for con in cons.values():
+        con.close()
+    wh = workdir / "bf16-moments-refused"
+    code, _, err = run_cli("extract", "--model", model, "--source", f"alpha={sources['alpha']}", "--warehouse", wh,
+                           "--moments-precision", "bfloat16")
+    assert code != 0 and "needs --dtype bfloat16" in err and len(err.strip().splitlines()) == 1 and not wh.exists()
 
 
 def test_default_float32_moments_against_float64(peers, workdir, sources, model_factory):
