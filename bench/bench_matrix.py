@@ -44,7 +44,7 @@ SHAPES = {
     "sentence": ("pile", ["--max-length", "512", "--unit", "sentence"]),
     "short": ("short", ["--max-length", "128"]),
 }
-VARIANTS = ("default", "--no-moments", "bare")
+VARIANTS = ("default", "--no-moments", "bare")  # run by default; also: --no-sequences
 
 
 def _zipf(vocab: int, rng: np.random.Generator):
@@ -107,12 +107,16 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=100_000)
     ap.add_argument("--runs", type=int, default=2, help="runs of each variant (alternating)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                    help="of default, no-moments, bare, no-sequences (flags without their dashes)")
     ap.add_argument("--extra", action="append", default=[], help="more extract flags (all shapes, bare included)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=50304)
     args = ap.parse_args()
+    args.variants = [v if v in ("default", "bare") or v.startswith("--") else "--" + v for v in args.variants]
+    if unknown := set(args.variants) - {*VARIANTS, "--no-sequences"}:
+        ap.error(f"unknown variants {sorted(unknown)}")
     args.arch, args.intermediate, args.kv_heads, args.seq = "gpt_neox", None, None, 512
     import os
 
@@ -156,6 +160,11 @@ def main() -> None:
                     for v in args.variants if v != "bare"} for s in args.shapes if "bare" in args.variants}
         if runs:
             print(f"run by run, ÷ bare: {runs}")
+        for shape in args.shapes:
+            if "--no-sequences" in args.variants:
+                t = {v: med(shape, v, "s") for v in args.variants}
+                print(f"{shape}: default ÷ --no-sequences {t['default'] / t['--no-sequences']:.3f} (run by run "
+                      f"{[round(a['s'] / b['s'], 3) for a, b in zip(res[shape]['default'], res[shape]['--no-sequences'])]})")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ class TokenSums:
         self._compiled_once = False
         self.moments: Moments | None = None  # optional consumers of the raw (unnormalised) vectors
         self.sample: Sample | None = None
+        self.extra = None  # optional WindowMeasures (extract/sequences.py)
 
     # ------------------------------------------------------------ slots
 
@@ -175,9 +176,10 @@ class TokenSums:
 
     # ------------------------------------------------------------ the hot path
 
-    def set_batch(self, input_ids: torch.Tensor, counted: torch.Tensor) -> int:
+    def set_batch(self, input_ids: torch.Tensor, counted: torch.Tensor, where: torch.Tensor | None = None) -> int:
         """input_ids, counted: (B, T) on the host; counted marks the positions that enter the
-        statistics.  Returns their number M.  Nothing here waits for the device."""
+        statistics; where: (B, T, 2) each position's document and position in it (for `extra`).
+        Returns their number M.  Nothing here waits for the device."""
         counted_np = counted.reshape(-1).numpy()
         sel_np = np.flatnonzero(counted_np)  # (M,)
         ids = input_ids.reshape(-1).numpy()[sel_np].astype(np.int64)  # (M,)
@@ -185,6 +187,10 @@ class TokenSums:
         sel = torch.from_numpy(sel_np).to(self.device, non_blocking=True)
         B, T = input_ids.shape
         win_np = sel_np // T  # (M,) each counted row's window
+        if self.extra is not None:
+            meta = None if where is None else np.concatenate(
+                [where.reshape(-1, 2).numpy()[sel_np], ids[:, None]], 1)  # (M, 3) document, position, token
+            self.extra.set_batch(win_np, B, meta)
         # per batch, for every layer's window sums: row windows, column indices, vectors per window
         self._windows = (torch.from_numpy(win_np).to(self.device, non_blocking=True), B,
                          torch.arange(len(sel_np), device=self.device),
@@ -223,10 +229,14 @@ class TokenSums:
                 self.nonfinite[layer] += nonfinite
                 self.zero[layer] += zero
                 self._window_stats(layer, *windows)
-                if self.moments is not None:  # the raw rows, NaN/inf/zero ones zeroed as on the eager path
+                if self.moments is not None or self.extra is not None:  # the raw rows, NaN/inf/zero ones zeroed
                     h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d)
                     ok = ok_bt.reshape(-1).index_select(0, sel)  # (M,) the step's own finite & non-zero test
-                    self.moments.add(layer, h.masked_fill(~ok.unsqueeze(1), 0), ok)
+                    h = h.masked_fill(~ok.unsqueeze(1), 0)
+                    if self.moments is not None:
+                        self.moments.add(layer, h, ok)
+                    if self.extra is not None:
+                        self.extra.add(layer, h, ok, windows[0], windows[2])
                 return
         h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d) compute dtype
         if self.sample is not None:
@@ -250,9 +260,14 @@ class TokenSums:
             self.moments.add(layer, h, ok)
         x = h * inv.unsqueeze(1)  # (M, d) float64 û (type promotion: exact upcast, float64 product)
         if self.segment:
-            self._segment_add(layer, h, x, counts, n_w)
+            m = self._segment_add(layer, h, x, counts, n_w)
+        else:
+            m, u = window_sums(h, norm, x, counts, win, n_win, cols)
+            self._window_stats(layer, m, u, n_w, (x * x).sum(0))
+        if self.extra is not None:
+            self.extra.add(layer, h, ok, m, n_w)
+        if self.segment:
             return
-        self._window_stats(layer, *window_sums(h, norm, x, counts, win, n_win, cols), n_w, (x * x).sum(0))
         if uniq is None:
             self.sums[layer].index_add_(0, index, x)
             self.counts[layer].index_add_(0, index, counts)
@@ -264,7 +279,7 @@ class TokenSums:
             self.counts[layer].index_add_(0, uniq, count.to(self.master))
 
     def _segment_add(self, layer: int, h: torch.Tensor, x: torch.Tensor, counts: torch.Tensor,
-                     n_w: torch.Tensor) -> None:
+                     n_w: torch.Tensor) -> torch.Tensor:
         """The token and window sums without atomic adds (`scatter="segment"`): the rows sorted by
         slot (the order `set_batch` computed once per batch), summed per run of equal slots
         (`segment_reduce`: one pass, no two threads adding into one row), then one read-modify-write
@@ -279,7 +294,9 @@ class TokenSums:
         S, C = self.sums[layer], self.counts[layer]
         S.index_copy_(0, uniq, S.index_select(0, uniq) + part)  # slots distinct: no two writes collide
         C.index_copy_(0, uniq, C.index_select(0, uniq) + n)
-        self._window_stats(layer, seg(h.to(torch.float64), rows_w), seg(x, rows_w), n_w, (x * x).sum(0))
+        m = seg(h.to(torch.float64), rows_w)  # (B, d)
+        self._window_stats(layer, m, seg(x, rows_w), n_w, (x * x).sum(0))
+        return m
 
     def _window_stats(self, layer, m, u, n_w, u2) -> None:
         """Fold one batch's per-window sums m = Σh (B, d), u = Σû (B, d), n_w (B,) and Σû² (d,)."""

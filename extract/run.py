@@ -29,6 +29,7 @@ from warehouse import merge, query, schema, store
 from warehouse.storage import open_storage
 
 from .accumulate import PRECISIONS, Moments, Sample, TokenSums
+from .sequences import WindowMeasures
 from .architectures import get_module
 from .hooks import capture_layers, layer_kinds
 from .models import DTYPES, Loaded, ModelRef, check_dtype, forward_kwargs, load, to_compute
@@ -55,6 +56,8 @@ class Settings:
     moments: bool = True  # Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (the peers' measures)
     moments_precision: str = "float32"  # per-batch products: float32 (shifted), bfloat16 or float64
     scatter: str = "atomic"  # per-token sums: atomic (scatter-add) | segment (sorted once, segment sums)
+    sequences: bool = True  # per-window measures: sequence moments, curvature, massive activations
+    prompt_entropy: bool = False  # per-window prompt entropy (an eigendecomposition per window and layer)
     sample: int = 0  # K: bottom-k sample of token vectors per layer (0 = none)
     special_tokens: bool = False  # count the positions of the tokenizer's special tokens (BOS, [CLS], …)
     memory_budget: int | None = None  # bytes for the token sums; None: half the memory free at the start
@@ -64,7 +67,7 @@ class Settings:
 
 # Settings that change a run's numbers: a finished run with the same ones can be kept (--skip-done).
 RESULT_SETTINGS = ("unit", "max_length", "max_tokens", "dtype", "shard", "vector_dtype", "pile_set", "moments",
-                   "moments_precision", "sample", "special_tokens", "modules")
+                   "moments_precision", "sample", "special_tokens", "modules", "sequences", "prompt_entropy")
 DEFAULT_MAX_LENGTH = 4096  # windows of at most this many tokens unless --max-length says otherwise
 DEFAULT_BATCH_WINDOWS = 8  # the default token budget of a batch: this many full windows,
 DEFAULT_BATCH_TOKENS = 4096  # and at least this many tokens (short --max-length)
@@ -290,6 +293,10 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
         if settings.moments:
             acc.moments = Moments(len(kinds), d, settings.accumulator_device or settings.device,
                                   precision=settings.moments_precision)
+        if settings.sequences:  # on the moments' background thread where there is one (same order)
+            acc.extra = WindowMeasures(len(kinds), d, settings.accumulator_device or settings.device,
+                                       precision=settings.moments_precision, prompt_entropy=settings.prompt_entropy,
+                                       worker=acc.moments._worker if acc.moments is not None else None)
         if settings.sample:
             acc.sample = Sample(len(kinds), settings.sample, d)
         salt = source_salt(source.name)
@@ -306,7 +313,7 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
                 loaded, windows(loaded, texts, settings, result, splitter), *batch_limits(loaded, settings),
                 settings.special_tokens
             ):
-                n = acc.set_batch(input_ids, counted)
+                n = acc.set_batch(input_ids, counted, where)
                 if acc.sample is not None:
                     w = where[counted]  # (M, 2): document, position
                     keys = torch.from_numpy(position_keys(salt, w[:, 0].numpy(), w[:, 1].numpy()))
@@ -350,7 +357,17 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
                store.TableWriter(root, "layer_sums", values, run_id)]
     try:
         layer_rows = {k: [] for k in ("layer", "layer_kind", "n_layers", "n", "sum_sq", "n_nonfinite",
-                                      "n_zero", "vec", "sum_h", "sum_u2", "windows", "window_cos")}
+                                      "n_zero", "vec", "sum_h", "sum_u2", "windows", "window_cos", "sum_abs",
+                                      "curv_windows", "curv_sum", "pe_windows", "pe_sum")}
+        ex = acc.extra
+        if ex is not None:
+            ex.finish()
+            scalars = {k: getattr(ex, k).cpu().tolist() for k in ("sum_abs", "curv_windows", "curv_sum",
+                                                                   "pe_windows", "pe_sum")}
+            if not ex.prompt_entropy:
+                scalars["pe_windows"] = scalars["pe_sum"] = [None] * len(kinds)
+        else:
+            scalars = {k: [None] * len(kinds) for k in ("sum_abs", "curv_windows", "curv_sum", "pe_windows", "pe_sum")}
         nonfinite, zero = acc.nonfinite.cpu(), acc.zero.cpu()
         sum_h, sum_u2 = acc.sum_h.cpu().numpy(), acc.sum_u2.cpu().numpy()
         windows, window_cos = acc.windows.cpu().numpy(), acc.window_cos.cpu().numpy()
@@ -379,6 +396,8 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
             layer_rows["sum_u2"].append(sum_u2[layer].tolist())
             layer_rows["windows"].append(int(windows[layer]))
             layer_rows["window_cos"].append(float(window_cos[layer]))
+            for k, v in scalars.items():
+                layer_rows[k].append(v[layer])
         writers[1].write({**{k: [v] * len(kinds) for k, v in key.items()}, **layer_rows})
         files = {"token_sums": writers[0].close(), "layer_sums": writers[1].close()}
         if acc.moments is not None:
@@ -392,6 +411,23 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
                          "n_pair": [None if last else int(m.n_pair[layer])],
                          "s_cross": [None if last else m.cross(layer).reshape(-1)]})
             files["moments"] = w.close()
+        if ex is not None:
+            w = store.TableWriter(root, "sequence_moments", values, run_id)
+            writers.append(w)
+            for layer in range(len(kinds)):
+                for pooling, mo in ex.pooled.items():
+                    w.write({**{k: [v] for k, v in key.items()}, "layer": [layer], "pooling": [pooling],
+                             "n": [int(mo.n[layer])], "s1": [mo.s1[layer].cpu().numpy()],
+                             "s2": [mo.s2(layer).reshape(-1)]})
+            files["sequence_moments"] = w.close()
+            w = store.TableWriter(root, "massive", values, run_id)
+            writers.append(w)
+            for layer in range(len(kinds)):
+                top = ex.top(layer)
+                if top["rank"]:
+                    w.write({**{k: [v] * len(top["rank"]) for k, v in key.items()},
+                             "layer": [layer] * len(top["rank"]), **top})
+            files["massive"] = w.close()
         if acc.sample is not None:
             w = store.TableWriter(root, "samples", values, run_id)
             writers.append(w)

@@ -37,7 +37,8 @@ def peers(workdir, sources, model_factory):
     a, b = f"alpha={sources['alpha']}", f"beta={sources['beta']}"
     for args in (["--source", a, "--shard", "1/2"], ["--source", a, "--shard", "2/2"], ["--source", b]):
         code, _, err = run_cli("extract", "--model", path, *args, "--warehouse", wh, "--max-length", MAXLEN,
-                               "--moments-precision", "float64", "--sample", 100000)  # exact products: the oracles' 1e-9
+                               "--moments-precision", "float64", "--sample", 100000,  # exact products: the oracles' 1e-9
+                               "--prompt-entropy")
         assert code == 0, err
     texts = {"alpha": ref.source_texts(sources["alpha"]), "beta": ref.source_texts(sources["beta"])}
     windows = {k: [] for k in ("all", "alpha", "beta")}
@@ -104,12 +105,13 @@ def test_pca_spectrum_effective_rank_and_outlier_dims_equal_numpy(peers):
             np.testing.assert_allclose(got_share, share, rtol=1e-6)
 
 
-def alpha_req_numpy(eigenvalues: np.ndarray) -> float | None:
+def alpha_req_numpy(eigenvalues: np.ndarray, n: int = 10**9) -> float | None:
     """αReQ by its definition: the weighted (1/k) least-squares line through (log k, log λ_k),
-    k = 12 … min(100, d − 10), λ_k > 0 (eigenvalues descending); None below 10 ranks."""
+    k = 12 … min(100, d − 10, n − 1), λ_k > 0 (eigenvalues descending, of n vectors); None below
+    10 ranks."""
     d = len(eigenvalues)
     k = np.arange(1, d + 1)
-    keep = (k >= 12) & (k <= min(100, d - 10)) & (eigenvalues > 0)
+    keep = (k >= 12) & (k <= min(100, d - 10, n - 1)) & (eigenvalues > 1e-12 * eigenvalues.max())
     if keep.sum() < 10:
         return None
     x, y, w = np.log(k[keep]), np.log(eigenvalues[keep]), np.sqrt(1.0 / k[keep])
@@ -123,7 +125,7 @@ def test_alpha_req_and_outlier_kurtosis_equal_numpy(peers):
     alpha, kurt = view(peers, "alpha_req", "alpha_req"), view(peers, "outlier_kurtosis", "kurtosis")
     for source in SOURCES:
         for layer, (_, X) in peers["states"][source].items():
-            want = alpha_req_numpy(np.sort(np.linalg.eigvalsh(np.cov(X.T)))[::-1])
+            want = alpha_req_numpy(np.sort(np.linalg.eigvalsh(np.cov(X.T)))[::-1], len(X))
             assert want is not None  # d = 32: ranks 12 … 22
             assert alpha[(source, layer)] == pytest.approx(want, rel=1e-6), (source, layer)
             s = (X * X).mean(0)  # raw second moment per dimension
@@ -153,6 +155,8 @@ def test_alpha_req_known_answers_and_null():
     assert fit(lam[:30]) is None and alpha_req_numpy(lam[:30]) is None  # 9 ranks
     assert fit(lam[:31]) == pytest.approx(1.3, rel=1e-12)  # 10 ranks
     assert fit(np.r_[lam[:12], np.zeros(19)]) is None  # rank-deficient: no λ > 0 in the window
+    assert fit(np.r_[lam[:20], 1e-17 * lam[20:60]]) is None  # rank 20, then float64 noise: ranks 12 … 20 only
+    assert fit(np.r_[lam[:40], 1e-17 * lam[40:60]]) == pytest.approx(1.3, rel=1e-12)  # ranks 12 … 40
 
 
 def test_weight_spectrum_equals_numpy_svd(peers, model_factory):
@@ -173,6 +177,91 @@ def test_weight_spectrum_equals_numpy_svd(peers, model_factory):
             assert [r[4] for r in got] == list(range(1, len(want) + 1))
             assert all(r[1] is False and r[3] == W.shape[0] for r in got)
             np.testing.assert_allclose([r[5] for r in got], want, rtol=1e-6, atol=1e-9 * want[0])
+
+
+def entropy(lam: np.ndarray, norm: int) -> float:
+    p = np.clip(lam, 0, None) / np.clip(lam, 0, None).sum()
+    p = p[p > 0]
+    return float(-(p * np.log(p)).sum() / np.log(norm))
+
+
+def window_reference(X: np.ndarray, win: np.ndarray) -> dict:
+    """The per-window measures by their definitions, float64, from one layer's counted vectors X
+    (n, d) and each vector's window."""
+    d = X.shape[1]
+    groups = [X[win == w] for w in np.unique(win)]
+    means = np.array([g.mean(0) for g in groups])
+    lasts = np.array([g[-1] for g in groups])
+    out = {}
+    for pooling, Z in (("mean", means), ("last", lasts)):
+        lam = np.sort(np.linalg.eigvalsh(np.cov(Z.T)))[::-1]
+        out[pooling] = (len(Z), entropy(lam, 2) * np.log(2), lam.max() / lam.sum(), alpha_req_numpy(lam, len(Z)))
+    hat = means / np.linalg.norm(means, axis=1, keepdims=True)
+    out["dataset_entropy"] = entropy(np.linalg.eigvalsh(hat.T @ hat / len(hat)), min(len(hat), d))
+    curv = []
+    for g in groups:
+        v = np.diff(g, axis=0)
+        c = [np.arccos(min(1.0, abs(a @ b) / (np.linalg.norm(a) * np.linalg.norm(b)))) for a, b in zip(v, v[1:])
+             if np.linalg.norm(a) > 0 and np.linalg.norm(b) > 0]
+        if c:
+            curv.append(np.mean(c))
+    out["curvature"] = (len(curv), np.mean(curv))
+    pe = []
+    for g in groups:
+        if len(g) >= 2:
+            Z = g - g.mean(0)
+            Z = Z[np.linalg.norm(Z, axis=1) > 0]
+            Z /= np.linalg.norm(Z, axis=1, keepdims=True)
+            pe.append(entropy(np.linalg.eigvalsh(Z @ Z.T), min(len(g), d)))
+    out["prompt_entropy"] = (len(pe), np.mean(pe))
+    return out
+
+
+def test_sequence_measures_equal_their_definitions(peers):
+    """sequence_spectrum (mean and last pooling), dataset_entropy, curvature and prompt_entropy
+    against numpy on the hidden states captured by hooks, each window's vectors by its window
+    number (two sources, alpha in 2 shards, and 'all'), to 1e-6."""
+    con = peers["con"]
+    seq = {(s, layer, p): (w, er, an, al) for s, layer, p, w, er, an, al in con.execute(
+        "SELECT source, layer, pooling, windows, effective_rank, anisotropy, alpha_req FROM sequence_spectrum").fetchall()}
+    ds = view(peers, "dataset_entropy", "dataset_entropy")
+    curv = {(s, layer): (w, c) for s, layer, w, c in con.execute(
+        "SELECT source, layer, windows, curvature FROM curvature").fetchall()}
+    pe = {(s, layer): (w, c) for s, layer, w, c in con.execute(
+        "SELECT source, layer, windows, prompt_entropy FROM prompt_entropy").fetchall()}
+    for source in SOURCES:
+        for layer, (_, X) in peers["states"][source].items():
+            want = window_reference(X, peers["windows"][source])
+            for pooling in ("mean", "last"):
+                w, er, an, al = seq[(source, layer, pooling)]
+                W, er_want, an_want, al_want = want[pooling]
+                assert w == W and er == pytest.approx(np.exp(er_want), rel=1e-6), (source, layer, pooling)
+                assert an == pytest.approx(an_want, rel=1e-6)
+                assert (al is None) == (al_want is None) and (al is None or al == pytest.approx(al_want, rel=1e-6))
+            assert ds[(source, layer)] == pytest.approx(want["dataset_entropy"], rel=1e-6)
+            assert curv[(source, layer)][0] == want["curvature"][0]
+            assert curv[(source, layer)][1] == pytest.approx(want["curvature"][1], rel=1e-6)
+            assert pe[(source, layer)][0] == want["prompt_entropy"][0]
+            assert pe[(source, layer)][1] == pytest.approx(want["prompt_entropy"][1], rel=1e-6)
+
+
+def test_massive_activations_equal_the_top_entries(peers):
+    """The top-10 |h| of each layer against numpy's over every counted vector and dimension (values,
+    dimensions, tokens; the ratio to the mean |h|), merged across the shards and sources."""
+    rows = peers["con"].execute("SELECT source, layer, rank, dim, abs_value, token_id, document_source, "
+                                "ratio_to_mean_abs FROM massive_activations ORDER BY source, layer, rank").fetchall()
+    for source in SOURCES:
+        for layer, (ids, X) in peers["states"][source].items():
+            got = [r for r in rows if r[0] == source and r[1] == layer]
+            A = np.abs(X)
+            flat = np.argsort(-A, axis=None, kind="stable")[:10]
+            want_val = A.reshape(-1)[flat]
+            assert [r[2] for r in got] == list(range(1, 11))
+            np.testing.assert_allclose([r[4] for r in got], want_val, rtol=1e-6)
+            assert sorted((r[3], r[5]) for r in got) == sorted((int(f % X.shape[1]), int(ids[f // X.shape[1]]))
+                                                              for f in flat)
+            np.testing.assert_allclose([r[7] for r in got], want_val / A.mean(), rtol=1e-6)
+            assert {r[6] for r in got} <= ({"alpha", "beta"} if source == "all" else {source})
 
 
 def test_linearity_equals_procrustes_similarity(peers):
@@ -236,6 +325,37 @@ def test_sample_merges_across_shards_like_a_single_run(workdir, sources, model_f
     assert len(single) == 40 and [r[:4] for r in single] == [r[:4] for r in merged]  # same tokens
     np.testing.assert_allclose([r[4] for r in single], [r[4] for r in merged], atol=1e-5)  # batching numerics
     assert connect(one).execute("SELECT count(DISTINCT layer), count(*) FROM samples").fetchall()[0] == (4, 160)
+    # the top-10 |h| (a top-k of the shards' top-k) and the per-window sums merge like one run
+    q = ("SELECT layer, rank, dim, token_id, document_source, document, position, abs_value, ratio_to_mean_abs "
+         "FROM massive_activations WHERE source = 'alpha' ORDER BY layer, rank")
+    single, merged = connect(one).execute(q).fetchall(), connect(two).execute(q).fetchall()
+    assert len(single) == 40 and [r[:7] for r in single] == [r[:7] for r in merged]
+    np.testing.assert_allclose([r[7:] for r in single], [r[7:] for r in merged], rtol=1e-5)  # batching numerics
+    for v, cols in (("curvature", "windows, curvature"), ("dataset_entropy", "windows, dataset_entropy"),
+                    ("sequence_spectrum", "windows, effective_rank, anisotropy")):
+        q = f"SELECT {cols} FROM {v} WHERE source = 'alpha' ORDER BY ALL"
+        single, merged = connect(one).execute(q).fetchall(), connect(two).execute(q).fetchall()
+        assert single and [r[0] for r in single] == [r[0] for r in merged], v
+        np.testing.assert_allclose([r[1:] for r in single], [r[1:] for r in merged], rtol=1e-5, err_msg=v)
+
+
+def test_window_measures_are_null_where_not_measured(workdir, sources, model_factory):
+    """Without --prompt-entropy the prompt_entropy view has no row; with --no-sequences none of the
+    per-window views has one; a group mixing a run with and one without is NULL, not a partial sum."""
+    path = model_factory("gpt_neox", tied=False)
+    wh = workdir / "window-nulls"
+    common = ["--model", path, "--max-length", MAXLEN, "--warehouse", wh]
+    assert run_cli("extract", *common, "--source", f"alpha={sources['alpha']}")[0] == 0
+    assert run_cli("extract", *common, "--source", f"beta={sources['beta']}", "--no-sequences")[0] == 0
+    con = connect(wh)
+    count = lambda v, s: con.execute(f"SELECT count(*) FROM {v} WHERE source = '{s}'").fetchone()[0]  # noqa: E731
+    assert count("prompt_entropy", "alpha") == 0 and count("curvature", "alpha") > 0
+    for v in ("curvature", "sequence_spectrum", "dataset_entropy", "massive_activations", "prompt_entropy"):
+        assert count(v, "beta") == 0 and count(v, "all") == 0, v
+    assert count("anisotropy", "all") > 0  # the rest of the pass is there
+    code, _, err = run_cli("extract", *common, "--source", f"alpha={sources['alpha']}", "--no-sequences",
+                           "--prompt-entropy")
+    assert code == 2 and "needs --sequences" in err
 
 
 def _views_over(spectrum_rows):

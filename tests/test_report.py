@@ -41,6 +41,27 @@ CHART_VIEWS = {
     "fig20_inter_sim_by_frequency": ("inter_sim_by_frequency", ["model", "checkpoint", "layer", "bucket"],
                                      ["types", "n", "inter_sim"]),
     "fig21_cka_procrustes_by_layer": ("linearity", ["model", "checkpoint", "source", "layer"], []),
+    "fig22_alpha_req_by_layer": ("alpha_req", ["model", "checkpoint", "source", "layer"], ["n", "alpha_req"]),
+    "fig23_alpha_req_training": ("alpha_req", ["model", "checkpoint", "source", "layer"], ["alpha_req"]),
+    "fig24_outlier_kurtosis_by_layer": ("outlier_kurtosis", ["model", "checkpoint", "source", "layer"], ["kurtosis"]),
+    "fig25_outlier_kurtosis_training": ("outlier_kurtosis", ["model", "checkpoint", "source", "layer"], ["kurtosis"]),
+    "fig26_massive_activations_by_layer": ("massive_activations", ["model", "checkpoint", "source", "layer", "rank"],
+                                           ["dim", "abs_value", "token_id", "ratio_to_mean_abs"]),
+    "fig27_massive_activations_training": ("massive_activations", ["model", "checkpoint", "source", "layer", "rank"],
+                                           ["dim", "ratio_to_mean_abs"]),
+    "fig28_weight_spectrum": ("weight_spectrum", ["model", "checkpoint", "matrix", "centered", "k"], ["singular_value"]),
+    "fig29_weight_spectrum_training": ("weight_spectrum", ["model", "checkpoint", "matrix", "centered", "k"],
+                                       ["singular_value"]),
+    "fig30_sequence_effective_rank_by_layer": ("sequence_spectrum", ["model", "checkpoint", "source", "layer", "pooling"],
+                                               ["windows", "effective_rank"]),
+    "fig31_sequence_effective_rank_training": ("sequence_spectrum", ["model", "checkpoint", "source", "layer", "pooling"],
+                                               ["effective_rank"]),
+    "fig32_dataset_entropy_by_layer": ("dataset_entropy", ["model", "checkpoint", "source", "layer"], ["dataset_entropy"]),
+    "fig33_dataset_entropy_training": ("dataset_entropy", ["model", "checkpoint", "source", "layer"], ["dataset_entropy"]),
+    "fig34_curvature_by_layer": ("curvature", ["model", "checkpoint", "source", "layer"], ["windows", "curvature"]),
+    "fig35_curvature_training": ("curvature", ["model", "checkpoint", "source", "layer"], ["curvature"]),
+    "fig36_prompt_entropy_by_layer": ("prompt_entropy", ["model", "checkpoint", "source", "layer"], ["prompt_entropy"]),
+    "fig37_prompt_entropy_training": ("prompt_entropy", ["model", "checkpoint", "source", "layer"], ["prompt_entropy"]),
 }
 
 
@@ -56,7 +77,7 @@ def trained(workdir, sources):
         assert code == 0, err
         code, _, err = run_cli("extract", "--model", out, "--checkpoints", "all", "--source",
                                f"alpha={sources['alpha']}", "--source", f"beta={sources['beta']}", "--warehouse", wh,
-                               "--moments", "--sample", 200)
+                               "--moments", "--sample", 200, "--prompt-entropy")
         assert code == 0, err
     return wh
 
@@ -131,7 +152,8 @@ def test_partial_warehouse_draws_what_it_can(workdir, model_factory):
     code, _, err = run_cli("report", "--warehouse", wh, "--out", out)
     assert code == 0, err
     drawn = sorted(p.stem for p in out.glob("*.png"))
-    assert drawn == ["fig5_isotropy_unembedding", "fig6_isotropy_embedding", "fig8_final_layernorm"]
+    assert drawn == ["fig28_weight_spectrum", "fig5_isotropy_unembedding", "fig6_isotropy_embedding",
+                     "fig8_final_layernorm"]
     assert "not drawn: Figure 1. Inter-Sim per layer: no token data" in err
 
 

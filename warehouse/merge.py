@@ -313,6 +313,89 @@ def _fold_layers(st: Storage, old: dict | None, adds: list[dict], removes: list[
     return state
 
 
+# Per-layer scalars of extract/sequences.py: NULL in a group where any partial lacks them (an older
+# run, --no-sequences, no --prompt-entropy), so a group's value never silently covers part of it.
+_WINDOW_SCALARS = ("sum_abs", "curv_windows", "curv_sum", "pe_windows", "pe_sum")
+
+
+def _window_scalars(st: Storage, layers: dict[int, dict], members: list[dict]) -> None:
+    """Set the window scalars of `layers` to the sums over the group's members' layer_sums (L rows
+    each: read whole, whatever was added or removed)."""
+    tot: dict[int, dict] = {layer: {c: 0 for c in _WINDOW_SCALARS} for layer in layers}
+    for e in members:
+        seen = set()
+        for r in st.read_table(e["files"]["layer_sums"], columns=["layer", *_WINDOW_SCALARS]).to_pylist():
+            seen.add(r["layer"])
+            t = tot.setdefault(r["layer"], {c: 0 for c in _WINDOW_SCALARS})
+            for c in _WINDOW_SCALARS:
+                t[c] = None if t[c] is None or r[c] is None else t[c] + r[c]
+        for layer in set(tot) - seen:
+            tot[layer] = {c: None for c in _WINDOW_SCALARS}
+    for layer, r in layers.items():
+        r.update(tot[layer])
+
+
+def _fold_sequences(st: Storage, old: dict | None, adds: list[dict], removes: list[dict], members: list[dict],
+                    n_layers: int, out: "_Writers") -> None:
+    """Merged sequence moments (the old merged ones plus the new partials' when nothing is removed,
+    else from the members) and their eigenvalues, per layer and pooling."""
+    if not members or not all("sequence_moments" in e["files"] for e in members):
+        return
+    if old is not None and "sequence_moments_merged" in old["files"] and not removes:
+        sources = [(old, "sequence_moments_merged")] + [(e, "sequence_moments") for e in adds]
+    else:
+        sources = [(e, "sequence_moments") for e in members]
+    for layer in range(n_layers):
+        sums: dict[str, dict] = {}
+        for e, t in sources:
+            tab = _read_layer(st, e["files"][t], layer, ["pooling", "n", "s1", "s2"])
+            for i in range(tab.num_rows):
+                row = tab.slice(i, 1)
+                vec = lambda c: row.column(c).combine_chunks().flatten().to_numpy(zero_copy_only=False)  # noqa: E731
+                pooling = row.column("pooling")[0].as_py()
+                m = sums.setdefault(pooling, {"n": 0, "s1": 0.0, "s2": 0.0})
+                m["n"] += row.column("n")[0].as_py()
+                m["s1"] = m["s1"] + vec("s1")
+                m["s2"] = m["s2"] + vec("s2")
+        for pooling, m in sorted(sums.items()):
+            d = len(m["s1"])
+            out.rows("sequence_moments_merged", {"layer": [layer], "pooling": [pooling], "n": [m["n"]],
+                                                 "s1": [m["s1"]], "s2": [m["s2"]]})
+            S = m["s2"].reshape(d, d)
+            if pooling == "normalized" and m["n"] >= 1:
+                lam = np.linalg.eigvalsh(S / m["n"])  # Σẑẑᵀ/W, not centred
+            elif pooling != "normalized" and m["n"] >= 2:
+                lam = np.linalg.eigvalsh(covariance(m["n"], m["s1"], S))
+            else:
+                continue
+            out.rows("sequence_eigenvalues", {"layer": [layer] * d, "pooling": [pooling] * d,
+                                              "windows": [m["n"]] * d, "k": list(range(1, d + 1)),
+                                              "eigenvalue": lam[::-1].tolist()})
+
+
+def _merge_massive(st: Storage, members: list[dict], out: "_Writers") -> None:
+    """The group's top-k |h| per layer: of the union of its members' (tiny) top-k tables, ordered by
+    |h| descending, then document source, document, position, dimension."""
+    if not members or not all("massive" in e["files"] for e in members):
+        return
+    rows = []
+    for e in members:
+        for r in st.read_table(e["files"]["massive"], columns=["layer", "rank", "abs_value", "dim", "token_id",
+                                                               "document", "position"]).to_pylist():
+            rows.append({**r, "document_source": e["source"]})
+    k = max((r["rank"] for r in rows), default=0)
+    rows.sort(key=lambda r: (r["layer"], -r["abs_value"], r["document_source"], r["document"], r["position"],
+                             r["dim"]))
+    by_layer = defaultdict(list)
+    for r in rows:
+        if len(by_layer[r["layer"]]) < k:
+            by_layer[r["layer"]].append({**r, "rank": len(by_layer[r["layer"]]) + 1})
+    top = [r for layer in sorted(by_layer) for r in by_layer[layer]]
+    if top:
+        out.rows("massive_merged", {c: [r[c] for r in top] for c in ("layer", "rank", "abs_value", "dim", "token_id",
+                                                                     "document_source", "document", "position")})
+
+
 # ---------------------------------------------------------------- moments and samples
 
 
@@ -408,6 +491,7 @@ def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, 
     try:
         types = _fold_tokens(st, key, old, adds, removes, d, out)
         layers = _fold_layers(st, old, adds, removes)
+        _window_scalars(st, layers, members)
         if layers:
             cols = [f.name for f in schema.LAYER_TOTALS if f.name not in key]
             out.rows("layer_totals", {c: [(layers[l][c].tolist() if isinstance(layers[l][c], np.ndarray)
@@ -420,6 +504,8 @@ def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, 
                 "sum_sq": [float(v[2] @ v[2]) for _, v in buckets]})
         n_layers = max((r["n_layers"] for r in layers.values()), default=0)
         derived = _fold_derived(st, old, adds, removes, members, n_layers, out)
+        _fold_sequences(st, old, adds, removes, members, n_layers, out)
+        _merge_massive(st, members, out)
         metrics = defaultdict(list)
         for layer in sorted(set(layers) | set(derived["n"])):
             metrics["layer"].append(layer)
@@ -758,7 +844,7 @@ def compact(root, model: str | None = None, checkpoint: str | None = None) -> di
     moments_merged, samples_merged) of the matching checkpoints, keeping every table a view reads.
     Afterwards the checkpoint is final: a new partial of it is refused.  Returns bytes before/after."""
     root = open_storage(root)
-    drop_data = ("token_sums", "moments", "samples")
+    drop_data = ("token_sums", "moments", "samples", "sequence_moments")
     sizes = {}
 
     def make(manifest):

@@ -17,7 +17,7 @@ from . import merge, query, schema, store
 from .storage import Storage, open_storage
 
 COPY_CHUNK = 8 << 20
-VIEW_ONLY_DROPS = {"data": ("token_sums", "moments", "samples"), "merged": schema.STATE_TABLES}
+VIEW_ONLY_DROPS = {"data": ("token_sums", "moments", "samples", "sequence_moments"), "merged": schema.STATE_TABLES}
 
 
 def _copy(src: Storage, dest: Storage, rel: str) -> int:

@@ -391,7 +391,9 @@ def _training_line(d: Data, fid: str, title: str, caption: str, view: str, value
     return f
 
 
-PEER_FLAGS = {"anisotropy": "--moments", "linearity": "--moments", "intrinsic_dim": "--sample K"}
+PEER_FLAGS = {"anisotropy": "--moments", "linearity": "--moments", "intrinsic_dim": "--sample K",
+              "alpha_req": "--moments", "outlier_kurtosis": "--moments", "dataset_entropy": "--sequences",
+              "curvature": "--sequences", "prompt_entropy": "--prompt-entropy"}
 
 
 def fig_anisotropy_layers(d: Data) -> Figure:
@@ -498,13 +500,200 @@ def fig_similarity_layers(d: Data) -> Figure:
         "linearity", "similarity", "Similarity to the next layer", [], ["cka", "procrustes_orthogonal"])
 
 
+def _pooled_by_layer(d: Data, fid: str, title: str, caption: str, value: str, y_title: str) -> Figure:
+    """sequence_spectrum's `value` by layer, mean pooling solid and last-vector pooling dashed."""
+    f = Figure(fid, title, caption)
+    df = d.final("sequence_spectrum", "source = 'all'", order="model, layer, pooling")
+    if df.is_empty():
+        f.missing = "no data for sequence_spectrum (extract without --no-sequences)"
+        return f
+    f.chart = _line(df, "layer", "Layer index (0 = embedding)", value, y_title,
+                    ["model", "checkpoint", "layer", "pooling", "windows", value], dash="pooling",
+                    dash_title="Pooling", dash_order=["mean", "last"])
+    f.data = df
+    return f
+
+
+def fig_alpha_req_layers(d: Data) -> Figure:
+    return _peer_by_layer(
+        d, "fig22_alpha_req_by_layer", "αReQ per layer (Agrawal et al.; Li et al.)",
+        "The power-law decay α of each layer's covariance spectrum (weighted fit of log λ_k over ranks 12 … 100); "
+        "larger α: variance concentrated in fewer directions. Final checkpoint, all sources.",
+        "alpha_req", "alpha_req", "alpha (spectral decay)", ["model", "checkpoint", "layer", "n", "alpha_req"])
+
+
+def fig_alpha_req_training(d: Data) -> Figure:
+    return _training_line(
+        d, "fig23_alpha_req_training", "αReQ of the last layer during training",
+        "The spectral decay α of the last layer's covariance at each checkpoint.", "alpha_req", "alpha_req",
+        "alpha (spectral decay)", ["model", "checkpoint", "step", "layer", "alpha_req"], "source = 'all'")
+
+
+def fig_kurtosis_layers(d: Data) -> Figure:
+    return _peer_by_layer(
+        d, "fig24_outlier_kurtosis_by_layer", "Outlier kurtosis per layer (He et al.)",
+        "Kurtosis of the per-dimension second moments s_j = Σh_j²/n: mean s_j² / (mean s_j)². 1 when every "
+        "dimension carries the same energy; large when a few outlier dimensions dominate. Final checkpoint, all sources.",
+        "outlier_kurtosis", "kurtosis", "Kurtosis of the second moments", ["model", "checkpoint", "layer", "n", "kurtosis"])
+
+
+def fig_kurtosis_training(d: Data) -> Figure:
+    return _training_line(
+        d, "fig25_outlier_kurtosis_training", "Outlier kurtosis of the last layer during training",
+        "Kurtosis of the last layer's per-dimension second moments at each checkpoint.", "outlier_kurtosis",
+        "kurtosis", "Kurtosis of the second moments", ["model", "checkpoint", "step", "layer", "kurtosis"],
+        "source = 'all'")
+
+
+def fig_massive_layers(d: Data) -> Figure:
+    f = Figure("fig26_massive_activations_by_layer", "Massive activations per layer (Sun et al.)",
+               "The largest |h| of each layer over all counted tokens and dimensions, as a multiple of the mean |h| "
+               "(the tooltip says which token and dimension); final checkpoint, all sources. Sun et al. report "
+               "values thousands of times the mean, at a few dimensions and tokens, from the early layers on.")
+    df = d.final("massive_activations", "source = 'all' AND rank = 1", order="model, layer")
+    if df.is_empty():
+        f.missing = "no data for massive_activations (extract without --no-sequences)"
+        return f
+    f.chart = _line(df, "layer", "Layer index (0 = embedding)", "ratio_to_mean_abs", "Largest |h| / mean |h|",
+                    ["model", "checkpoint", "layer", "dim", "token", "abs_value", "ratio_to_mean_abs"])
+    f.data = df
+    return f
+
+
+def fig_massive_training(d: Data) -> Figure:
+    f = Figure("fig27_massive_activations_training", "Massive activations during training",
+               "The largest |h| / mean |h| over all layers at each checkpoint (the layer is in the tooltip).")
+    df = d.training("massive_activations", "source = 'all' AND rank = 1", order="model, step, layer")
+    if df.is_empty():
+        f.missing = _training_missing("massive_activations")
+        return f
+    df = df.filter(pl.col("ratio_to_mean_abs") == pl.col("ratio_to_mean_abs").max().over(["model", "checkpoint"]))
+    df = df.unique(["model", "checkpoint"], keep="first", maintain_order=True)
+    f.chart = _line(df, "step", "Training step", "ratio_to_mean_abs", "Largest |h| / mean |h|",
+                    ["model", "checkpoint", "step", "layer", "dim", "token", "ratio_to_mean_abs"])
+    f.data = df
+    return f
+
+
+def _weight_matrix(df: pl.DataFrame) -> pl.DataFrame:
+    """The unembedding where the model has one of its own, else the embedding."""
+    has = df.filter(pl.col("matrix") == "unembedding").select("model", "checkpoint").unique()
+    return pl.concat([df.filter(pl.col("matrix") == "unembedding"),
+                      df.filter(pl.col("matrix") == "embedding").join(has, on=["model", "checkpoint"], how="anti")])
+
+
+def fig_weight_spectrum(d: Data) -> Figure:
+    f = Figure("fig28_weight_spectrum", "Singular values of the unembedding (Godey et al.)",
+               "Singular values of the unembedding matrix (the embedding where there is none), raw W (solid) and "
+               "mean-centred (dashed), largest first, log scale: a fast decay is the softmax bottleneck's "
+               "spectral saturation. Final checkpoint.")
+    df = d.final("weight_spectrum", order="model, matrix, centered, k")
+    if df.is_empty():
+        f.missing = "no parameter tables in the warehouse"
+        return f
+    df = _centered_label(_weight_matrix(df))
+    f.chart = alt.Chart(df).mark_line().encode(
+        x=alt.X("k:Q", title="Rank k"), y=alt.Y("singular_value:Q", title="Singular value", scale=alt.Scale(type="log")),
+        color=_color(), strokeDash=alt.StrokeDash("variant:N", title="Matrix"),
+        tooltip=_tooltip("model", "checkpoint", "matrix", "variant", "k", "singular_value"),
+    ).properties(width=WIDTH, height=HEIGHT)
+    f.data = df
+    return f
+
+
+def fig_weight_spectrum_training(d: Data) -> Figure:
+    f = Figure("fig29_weight_spectrum_training", "Singular values of the unembedding during training",
+               "Mean-centred singular values of the unembedding (the embedding where there is none) at each "
+               "checkpoint, coloured by training step, one panel per model.")
+    df = d.training("weight_spectrum", "centered", order="model, step, k")
+    if df.is_empty():
+        f.missing = _training_missing("weight_spectrum")
+        return f
+    df = _weight_matrix(df)
+    f.chart = alt.Chart(df).mark_line().encode(
+        x=alt.X("k:Q", title="Rank k"), y=alt.Y("singular_value:Q", title="Singular value", scale=alt.Scale(type="log")),
+        color=alt.Color("step:Q", title="Step", scale=alt.Scale(scheme="viridis")), detail="checkpoint:N",
+        tooltip=_tooltip("model", "checkpoint", "step", "matrix", "k", "singular_value"),
+    ).properties(width=WIDTH, height=HEIGHT).facet(column=alt.Column("model:N", title=None))
+    f.data = df
+    return f
+
+
+def fig_sequence_rank_layers(d: Data) -> Figure:
+    return _pooled_by_layer(
+        d, "fig30_sequence_effective_rank_by_layer", "Effective rank of sequence representations per layer",
+        "exp(entropy) of the covariance spectrum of one pooled vector per window: the windows' mean vectors (solid) "
+        "and last vectors (dashed); final checkpoint, all sources (Skean et al.'s sequence-level view).",
+        "effective_rank", "Effective rank over windows")
+
+
+def fig_sequence_rank_training(d: Data) -> Figure:
+    return _training_line(
+        d, "fig31_sequence_effective_rank_training", "Effective rank of mean-pooled windows during training",
+        "Effective rank of the covariance of the windows' mean vectors, last layer, each checkpoint.",
+        "sequence_spectrum", "effective_rank", "Effective rank over windows",
+        ["model", "checkpoint", "step", "layer", "windows", "effective_rank"], "source = 'all' AND pooling = 'mean'")
+
+
+def fig_dataset_entropy_layers(d: Data) -> Figure:
+    return _peer_by_layer(
+        d, "fig32_dataset_entropy_by_layer", "Dataset entropy per layer (Skean et al.)",
+        "Entropy of the spectrum of Σ ẑẑᵀ/W over the windows' normalised mean vectors ẑ, divided by log min(W, d): "
+        "1 = spread evenly over directions. Final checkpoint, all sources.",
+        "dataset_entropy", "dataset_entropy", "Dataset entropy (normalised)",
+        ["model", "checkpoint", "layer", "windows", "dataset_entropy"])
+
+
+def fig_dataset_entropy_training(d: Data) -> Figure:
+    return _training_line(
+        d, "fig33_dataset_entropy_training", "Dataset entropy of the last layer during training",
+        "Normalised dataset entropy of the last layer at each checkpoint.", "dataset_entropy", "dataset_entropy",
+        "Dataset entropy (normalised)", ["model", "checkpoint", "step", "layer", "windows", "dataset_entropy"],
+        "source = 'all'")
+
+
+def fig_curvature_layers(d: Data) -> Figure:
+    return _peer_by_layer(
+        d, "fig34_curvature_by_layer", "Curvature per layer (Hosseini & Fedorenko; Skean et al.)",
+        "Mean angle (radians) between consecutive token-to-token steps h_{k+1} − h_k within a window, averaged over "
+        "windows; lower = straighter trajectories. Final checkpoint, all sources.",
+        "curvature", "curvature", "Curvature (radians)", ["model", "checkpoint", "layer", "windows", "curvature"])
+
+
+def fig_curvature_training(d: Data) -> Figure:
+    return _training_line(
+        d, "fig35_curvature_training", "Curvature of the last layer during training",
+        "Mean curvature of the last layer's token trajectories at each checkpoint.", "curvature", "curvature",
+        "Curvature (radians)", ["model", "checkpoint", "step", "layer", "windows", "curvature"], "source = 'all'")
+
+
+def fig_prompt_entropy_layers(d: Data) -> Figure:
+    return _peer_by_layer(
+        d, "fig36_prompt_entropy_by_layer", "Prompt entropy per layer (Skean et al.)",
+        "Per window, the entropy of the spectrum of its centred, normalised vectors' Gram matrix, divided by "
+        "log min(N, d); averaged over windows. Final checkpoint, all sources.",
+        "prompt_entropy", "prompt_entropy", "Prompt entropy (normalised)",
+        ["model", "checkpoint", "layer", "windows", "prompt_entropy"])
+
+
+def fig_prompt_entropy_training(d: Data) -> Figure:
+    return _training_line(
+        d, "fig37_prompt_entropy_training", "Prompt entropy of the last layer during training",
+        "Normalised prompt entropy of the last layer at each checkpoint.", "prompt_entropy", "prompt_entropy",
+        "Prompt entropy (normalised)", ["model", "checkpoint", "step", "layer", "windows", "prompt_entropy"],
+        "source = 'all'")
+
+
 FIGURES = [
     fig_inter_sim_layers, fig_avg_intra_layers, fig_inter_sim_training, fig_avg_intra_training,
     lambda d: fig_isotropy(d, "unembedding", 5), lambda d: fig_isotropy(d, "embedding", 6),
     fig_isotropy_training, fig_layernorm, fig_layernorm_training, fig_heatmap, fig_by_source, fig_tokens,
     fig_anisotropy_layers, fig_anisotropy_training, fig_intrinsic_dim_layers, fig_intrinsic_dim_training,
     fig_linearity_layers, fig_dim_contrib, fig_drift_layers, fig_drift_training, fig_inter_sim_by_frequency,
-    fig_similarity_layers,
+    fig_similarity_layers, fig_alpha_req_layers, fig_alpha_req_training, fig_kurtosis_layers, fig_kurtosis_training,
+    fig_massive_layers, fig_massive_training, fig_weight_spectrum, fig_weight_spectrum_training,
+    fig_sequence_rank_layers, fig_sequence_rank_training, fig_dataset_entropy_layers, fig_dataset_entropy_training,
+    fig_curvature_layers, fig_curvature_training, fig_prompt_entropy_layers, fig_prompt_entropy_training,
 ]
 
 

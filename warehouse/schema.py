@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4  # 4: layer_metrics gained intra_types, intra_sim_sum; 3: merged tables folded at commit; 2: layer_sums gained sum_h, sum_u2, windows, window_cos
+SCHEMA_VERSION = 5  # 5: layer_sums gained sum_abs, curvature and prompt-entropy sums; sequence_moments, massive; 4: layer_metrics gained intra_types, intra_sim_sum; 3: merged tables folded at commit; 2: layer_sums gained sum_h, sum_u2, windows, window_cos
 
 # Partition columns, in directory order, per table.
 DATA_PARTITIONS = ("model", "checkpoint", "source", "shard")
@@ -68,6 +68,12 @@ LAYER_SUMS = pa.schema(
         pa.field("sum_u2", pa.list_(pa.float64()), nullable=False),  # Σ û_i² per dimension i (d,)
         pa.field("windows", pa.int64(), nullable=False),  # windows fed with ≥ 2 counted vectors
         pa.field("window_cos", pa.float64(), nullable=False),  # Σ over them of mean_i cos(h_i, mean of the window)
+        # extract/sequences.py (NULL where not measured: --no-sequences; pe_*: without --prompt-entropy)
+        pa.field("sum_abs", pa.float64()),  # Σ |h_j| over every counted vector and dimension
+        pa.field("curv_windows", pa.int64()),  # windows with ≥ 1 pair of consecutive velocities
+        pa.field("curv_sum", pa.float64()),  # Σ over them of the window's mean curvature angle
+        pa.field("pe_windows", pa.int64()),  # windows with ≥ 2 vectors (prompt entropy)
+        pa.field("pe_sum", pa.float64()),  # Σ over them of the normalised prompt entropy
     ]
 )
 
@@ -83,6 +89,35 @@ MOMENTS = pa.schema(
         pa.field("s2", pa.list_(pa.float64()), nullable=False),
         pa.field("n_pair", pa.int64()),
         pa.field("s_cross", pa.list_(pa.float64())),
+    ]
+)
+
+# Per (model, checkpoint, source, shard, layer, pooling): moments of pooled window vectors, float64:
+# pooling 'mean' (the window's mean vector), 'last' (its last vector), 'normalized' (mean / ‖mean‖);
+# n = windows, s1 = Σz (d,), s2 = Σzzᵀ (d×d, row-major).
+SEQUENCE_MOMENTS = pa.schema(
+    _KEY_DATA
+    + [
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("pooling", pa.string(), nullable=False),
+        pa.field("n", pa.int64(), nullable=False),
+        pa.field("s1", pa.list_(pa.float64()), nullable=False),
+        pa.field("s2", pa.list_(pa.float64()), nullable=False),
+    ]
+)
+
+# Per (model, checkpoint, source, shard, layer, rank): the top-k |h| over the partial's counted
+# vectors and dimensions (rank 1 = largest; ties: document, position, dim ascending).
+MASSIVE = pa.schema(
+    _KEY_DATA
+    + [
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("abs_value", pa.float64(), nullable=False),
+        pa.field("dim", pa.int32(), nullable=False),
+        pa.field("token_id", pa.int32(), nullable=False),
+        pa.field("document", pa.int64(), nullable=False),
+        pa.field("position", pa.int64(), nullable=False),
     ]
 )
 
@@ -171,6 +206,19 @@ FREQUENCY_BUCKETS = pa.schema(_KEY_MERGED + [
 # The merged moments and bottom-k sample (state for later folds; dropped by compact).
 MOMENTS_MERGED = pa.schema(_KEY_MERGED + [f for f in MOMENTS if f.name not in {f.name for f in _KEY_DATA}])
 SAMPLES_MERGED = pa.schema(_KEY_MERGED + [f for f in SAMPLES if f.name not in {f.name for f in _KEY_DATA}])
+SEQUENCE_MOMENTS_MERGED = pa.schema(_KEY_MERGED + [f for f in SEQUENCE_MOMENTS
+                                                   if f.name not in {f.name for f in _KEY_DATA}])
+# The group's top-k: of the union of its partials' (document_source: the source of the document).
+MASSIVE_MERGED = pa.schema(_KEY_MERGED + [
+    pa.field("layer", pa.int16(), nullable=False),
+    pa.field("rank", pa.int32(), nullable=False),
+    pa.field("abs_value", pa.float64(), nullable=False),
+    pa.field("dim", pa.int32(), nullable=False),
+    pa.field("token_id", pa.int32(), nullable=False),
+    pa.field("document_source", pa.string(), nullable=False),
+    pa.field("document", pa.int64(), nullable=False),
+    pa.field("position", pa.int64(), nullable=False),
+])
 
 # Derived per group from the merged state: source = 'all' holds the merge of every source.
 _KEY_DERIVED = _KEY_MERGED + [pa.field("layer", pa.int16(), nullable=False)]
@@ -178,6 +226,14 @@ SPECTRUM = pa.schema(_KEY_DERIVED + [
     pa.field("n", pa.int64(), nullable=False),
     pa.field("k", pa.int32(), nullable=False),  # 1 = largest
     pa.field("eigenvalue", pa.float64(), nullable=False),  # of the covariance (n − 1 denominator)
+])
+# Per (…, group, layer, pooling, k): 'mean' / 'last': eigenvalues of the covariance of the pooled
+# vectors over windows (n − 1 denominator); 'normalized': eigenvalues of Σẑẑᵀ/W (not centred).
+SEQUENCE_SPECTRUM = pa.schema(_KEY_DERIVED + [
+    pa.field("pooling", pa.string(), nullable=False),
+    pa.field("windows", pa.int64(), nullable=False),
+    pa.field("k", pa.int32(), nullable=False),  # 1 = largest
+    pa.field("eigenvalue", pa.float64(), nullable=False),
 ])
 DIM_VARIANCE = pa.schema(_KEY_DERIVED + [
     pa.field("dim", pa.int32(), nullable=False),
@@ -204,13 +260,18 @@ TABLES: dict[str, pa.Schema] = {
     "layer_sums": LAYER_SUMS,
     "moments": MOMENTS,
     "samples": SAMPLES,
+    "sequence_moments": SEQUENCE_MOMENTS,
+    "massive": MASSIVE,
     "token_stats": TOKEN_STATS,
     "token_vectors": TOKEN_VECTORS,
     "layer_totals": LAYER_TOTALS,
     "frequency_buckets": FREQUENCY_BUCKETS,
     "moments_merged": MOMENTS_MERGED,
     "samples_merged": SAMPLES_MERGED,
+    "sequence_moments_merged": SEQUENCE_MOMENTS_MERGED,
+    "massive_merged": MASSIVE_MERGED,
     "spectrum": SPECTRUM,
+    "sequence_eigenvalues": SEQUENCE_SPECTRUM,
     "dim_variance": DIM_VARIANCE,
     "layer_metrics": LAYER_METRICS,
     "partition_fn": PARTITION_FN,
@@ -228,15 +289,16 @@ def write_options(table: str, arrow_schema: pa.Schema) -> dict:
     if table == "token_stats":
         opts["column_encoding"] = {"layer": "DELTA_BINARY_PACKED", "token_id": "DELTA_BINARY_PACKED",
                                    "sum_sq": "BYTE_STREAM_SPLIT"}
-    elif table in ("token_vectors", "moments", "moments_merged"):
+    elif table in ("token_vectors", "moments", "moments_merged", "sequence_moments", "sequence_moments_merged"):
         opts["compression"] = "none"
     return opts
 
 
-DATA_TABLES = ("token_sums", "layer_sums", "moments", "samples")
+DATA_TABLES = ("token_sums", "layer_sums", "moments", "samples", "sequence_moments", "massive")
 MERGED_TABLES = ("token_stats", "token_vectors", "layer_totals", "frequency_buckets", "moments_merged",
-                 "samples_merged", "spectrum", "dim_variance", "layer_metrics")
-STATE_TABLES = ("token_vectors", "moments_merged", "samples_merged")  # only for later folds: compact drops them
+                 "samples_merged", "sequence_moments_merged", "massive_merged", "spectrum",
+                 "sequence_eigenvalues", "dim_variance", "layer_metrics")
+STATE_TABLES = ("token_vectors", "moments_merged", "samples_merged", "sequence_moments_merged")  # only for later folds: compact drops them
 PARAM_TABLES = ("partition_fn", "norm_params", "vocab")
 
 # Manifest entries, flattened into the `runs` view.
