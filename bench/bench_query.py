@@ -61,7 +61,8 @@ def write_partial(root: Path, model: str, checkpoint: str, source: str, shard: s
     tok = store.TableWriter(root, "token_sums", values, run_id)
     lay = store.TableWriter(root, "layer_sums", values, run_id)
     layer_rows = {c: [] for c in ("layer", "layer_kind", "n_layers", "n", "sum_sq", "n_nonfinite", "n_zero",
-                                  "vec", "sum_h", "sum_u2", "windows", "window_cos")}
+                                  "vec", "sum_h", "sum_u2", "windows", "window_cos", "sum_abs", "curv_windows",
+                                  "curv_sum", "pe_windows", "pe_sum")}
     tokens = 0
     for layer in range(layers):
         mean = rng.standard_normal(d)  # a common direction: Inter-Sim > 0
@@ -80,7 +81,9 @@ def write_partial(root: Path, model: str, checkpoint: str, source: str, shard: s
         for c, v in (("layer", layer), ("layer_kind", "block"), ("n_layers", layers), ("n", n_total),
                      ("sum_sq", float(total @ total)), ("n_nonfinite", 0), ("n_zero", 0), ("vec", total.tolist()),
                      ("sum_h", (total * 3).tolist()), ("sum_u2", np.full(d, n_total / d).tolist()),
-                     ("windows", n_total // 512), ("window_cos", 0.5 * (n_total // 512))):
+                     ("windows", n_total // 512), ("window_cos", 0.5 * (n_total // 512)),
+                     ("sum_abs", 0.8 * n_total * d), ("curv_windows", n_total // 512),
+                     ("curv_sum", 1.1 * (n_total // 512)), ("pe_windows", None), ("pe_sum", None)):
             layer_rows[c].append(v)
     lay.write({**{k: [v] * layers for k, v in key.items()}, **layer_rows})
     files = {"token_sums": tok.close(), "layer_sums": lay.close()}
