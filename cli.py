@@ -68,8 +68,8 @@ def extract(
     moments: bool = typer.Option(True, "--moments/--no-moments", help="Store Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (float64 sums, d² per layer) for anisotropy, IsoScore, PCA, linearity, CKA (on by default)."),
     moments_precision: Optional[str] = typer.Option(None, help="Per-batch d×d products of the moments, added into float64 sums: float32 (rows shifted by a centre; ~1e-7 relative) | bfloat16 (the bf16 hidden states' exact products on tensor cores, float32 accumulation; needs --dtype bfloat16) | float64 (exact products, slowest). Default: bfloat16 on cuda with --dtype bfloat16, else float32. Errors measured: docs/performance.md."),
     scatter: str = typer.Option("atomic", help="How per-token sums are added: atomic (scatter-add; on cuda one compiled step per layer) | segment (the batch's rows sorted by token once, summed per run, one write per distinct token: no atomic contention on frequent tokens). Same sums to float64 rounding; a choice for speed on GPUs (docs/performance.md)."),
-    sequences: bool = typer.Option(True, "--sequences/--no-sequences", help="Per-window measures (on by default): moments of mean-, last- and normalised-mean-pooled window vectors (sequence_spectrum, dataset_entropy), curvature, massive activations."),
-    prompt_entropy: bool = typer.Option(False, "--prompt-entropy", help="Also the prompt entropy of every window (one eigendecomposition per window and layer: opt-in; cost in docs/measures.md)."),
+    sequences: Optional[bool] = typer.Option(None, "--sequences/--no-sequences", help="Also the per-window measures: moments of mean-, last- and normalised-mean-pooled window vectors (sequence_spectrum, dataset_entropy), curvature, massive activations (opt-in: +6% whole-process time on the CPU benchmark; docs/measures.md)."),
+    prompt_entropy: bool = typer.Option(False, "--prompt-entropy", help="Also the prompt entropy of every window (one eigendecomposition per window and layer; implies --sequences; cost in docs/measures.md)."),
     sample: int = typer.Option(0, help="Also keep a mergeable bottom-k sample of K token vectors per layer (intrinsic dimension)."),
     skip_done: bool = typer.Option(False, "--skip-done", help="Keep runs already in the warehouse with the same settings and data (resume a sweep) instead of replacing them."),
     trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub (off by default)."),
@@ -109,8 +109,9 @@ def extract(
             raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
         if sample < 0:
             raise UserError("--sample must be 0 (none) or a positive count")
-        if prompt_entropy and not sequences:
-            raise UserError("--prompt-entropy is a per-window measure: it needs --sequences")
+        if prompt_entropy and sequences is False:
+            raise UserError("--prompt-entropy is a per-window measure: it cannot go with --no-sequences")
+        sequences = bool(sequences or prompt_entropy)
         if scatter not in SCATTERS:
             raise UserError(f"--scatter {scatter!r}: expected one of {', '.join(SCATTERS)}")
         moments_precision = check_moments_precision(moments_precision, accumulator_device or device, dtype)

@@ -108,15 +108,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="runs of each variant (alternating)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS),
-                    help="of default, no-moments, bare, no-sequences (flags without their dashes)")
+                    help="default, bare, or an extract flag without its dashes (no-moments, sequences, …)")
     ap.add_argument("--extra", action="append", default=[], help="more extract flags (all shapes, bare included)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=50304)
     args = ap.parse_args()
     args.variants = [v if v in ("default", "bare") or v.startswith("--") else "--" + v for v in args.variants]
-    if unknown := set(args.variants) - {*VARIANTS, "--no-sequences"}:
-        ap.error(f"unknown variants {sorted(unknown)}")
+    # any other variant is an extract flag (e.g. sequences, prompt-entropy), run in place of the default
     args.arch, args.intermediate, args.kv_heads, args.seq = "gpt_neox", None, None, 512
     import os
 
@@ -160,11 +159,14 @@ def main() -> None:
                     for v in args.variants if v != "bare"} for s in args.shapes if "bare" in args.variants}
         if runs:
             print(f"run by run, ÷ bare: {runs}")
+        base = "default" if "default" in args.variants else args.variants[0]
         for shape in args.shapes:
-            if "--no-sequences" in args.variants:
-                t = {v: med(shape, v, "s") for v in args.variants}
-                print(f"{shape}: default ÷ --no-sequences {t['default'] / t['--no-sequences']:.3f} (run by run "
-                      f"{[round(a['s'] / b['s'], 3) for a, b in zip(res[shape]['default'], res[shape]['--no-sequences'])]})")
+            for v in args.variants:
+                if v in (base, "bare"):
+                    continue
+                t = {u: med(shape, u, "s") for u in args.variants}
+                print(f"{shape}: {v} ÷ {base} {t[v] / t[base]:.3f} (run by run "
+                      f"{[round(a['s'] / b['s'], 3) for a, b in zip(res[shape][v], res[shape][base])]})")
 
 
 if __name__ == "__main__":

@@ -703,9 +703,10 @@ class _SideStream:
         self._stream.wait_stream(main)
         with torch.cuda.stream(self._stream):
             fn(*args)
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.is_cuda:
-                a.record_stream(self._stream)
+        for a in args:  # tensors given directly or in a tuple (a batch's indices)
+            for t in (a if isinstance(a, tuple) else (a,)):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(self._stream)
 
     def wait(self) -> None:
         torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)

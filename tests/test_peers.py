@@ -38,7 +38,7 @@ def peers(workdir, sources, model_factory):
     for args in (["--source", a, "--shard", "1/2"], ["--source", a, "--shard", "2/2"], ["--source", b]):
         code, _, err = run_cli("extract", "--model", path, *args, "--warehouse", wh, "--max-length", MAXLEN,
                                "--moments-precision", "float64", "--sample", 100000,  # exact products: the oracles' 1e-9
-                               "--prompt-entropy")
+                               "--sequences", "--prompt-entropy")
         assert code == 0, err
     texts = {"alpha": ref.source_texts(sources["alpha"]), "beta": ref.source_texts(sources["beta"])}
     windows = {k: [] for k in ("all", "alpha", "beta")}
@@ -315,7 +315,8 @@ def test_inter_sim_types_equals_pairwise_cosines_of_type_means(peers):
 def test_sample_merges_across_shards_like_a_single_run(workdir, sources, model_factory):
     path = model_factory("gpt_neox", tied=False)
     one, two = workdir / "sample-one", workdir / "sample-two"
-    common = ["--model", path, "--source", f"alpha={sources['alpha']}", "--max-length", MAXLEN, "--sample", 40]
+    common = ["--model", path, "--source", f"alpha={sources['alpha']}", "--max-length", MAXLEN, "--sample", 40,
+              "--sequences"]
     assert run_cli("extract", *common, "--warehouse", one)[0] == 0
     for shard in ("1/2", "2/2"):
         assert run_cli("extract", *common, "--warehouse", two, "--shard", shard)[0] == 0
@@ -340,13 +341,14 @@ def test_sample_merges_across_shards_like_a_single_run(workdir, sources, model_f
 
 
 def test_window_measures_are_null_where_not_measured(workdir, sources, model_factory):
-    """Without --prompt-entropy the prompt_entropy view has no row; with --no-sequences none of the
-    per-window views has one; a group mixing a run with and one without is NULL, not a partial sum."""
+    """Without --prompt-entropy the prompt_entropy view has no row; without --sequences (the default)
+    none of the per-window views has one; a group mixing a run with and one without is NULL, not a
+    partial sum; --prompt-entropy implies --sequences."""
     path = model_factory("gpt_neox", tied=False)
     wh = workdir / "window-nulls"
     common = ["--model", path, "--max-length", MAXLEN, "--warehouse", wh]
-    assert run_cli("extract", *common, "--source", f"alpha={sources['alpha']}")[0] == 0
-    assert run_cli("extract", *common, "--source", f"beta={sources['beta']}", "--no-sequences")[0] == 0
+    assert run_cli("extract", *common, "--source", f"alpha={sources['alpha']}", "--sequences")[0] == 0
+    assert run_cli("extract", *common, "--source", f"beta={sources['beta']}")[0] == 0
     con = connect(wh)
     count = lambda v, s: con.execute(f"SELECT count(*) FROM {v} WHERE source = '{s}'").fetchone()[0]  # noqa: E731
     assert count("prompt_entropy", "alpha") == 0 and count("curvature", "alpha") > 0
@@ -355,7 +357,11 @@ def test_window_measures_are_null_where_not_measured(workdir, sources, model_fac
     assert count("anisotropy", "all") > 0  # the rest of the pass is there
     code, _, err = run_cli("extract", *common, "--source", f"alpha={sources['alpha']}", "--no-sequences",
                            "--prompt-entropy")
-    assert code == 2 and "needs --sequences" in err
+    assert code == 2 and "cannot go with --no-sequences" in err
+    assert run_cli("extract", *common, "--source", f"gamma={sources['alpha']}", "--prompt-entropy")[0] == 0
+    con.close()
+    con = connect(wh)
+    assert count("prompt_entropy", "gamma") > 0 and count("curvature", "gamma") > 0
 
 
 def _views_over(spectrum_rows):

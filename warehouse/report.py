@@ -514,37 +514,6 @@ def _pooled_by_layer(d: Data, fid: str, title: str, caption: str, value: str, y_
     return f
 
 
-def fig_alpha_req_layers(d: Data) -> Figure:
-    return _peer_by_layer(
-        d, "fig22_alpha_req_by_layer", "αReQ per layer (Agrawal et al.; Li et al.)",
-        "The power-law decay α of each layer's covariance spectrum (weighted fit of log λ_k over ranks 12 … 100); "
-        "larger α: variance concentrated in fewer directions. Final checkpoint, all sources.",
-        "alpha_req", "alpha_req", "alpha (spectral decay)", ["model", "checkpoint", "layer", "n", "alpha_req"])
-
-
-def fig_alpha_req_training(d: Data) -> Figure:
-    return _training_line(
-        d, "fig23_alpha_req_training", "αReQ of the last layer during training",
-        "The spectral decay α of the last layer's covariance at each checkpoint.", "alpha_req", "alpha_req",
-        "alpha (spectral decay)", ["model", "checkpoint", "step", "layer", "alpha_req"], "source = 'all'")
-
-
-def fig_kurtosis_layers(d: Data) -> Figure:
-    return _peer_by_layer(
-        d, "fig24_outlier_kurtosis_by_layer", "Outlier kurtosis per layer (He et al.)",
-        "Kurtosis of the per-dimension second moments s_j = Σh_j²/n: mean s_j² / (mean s_j)². 1 when every "
-        "dimension carries the same energy; large when a few outlier dimensions dominate. Final checkpoint, all sources.",
-        "outlier_kurtosis", "kurtosis", "Kurtosis of the second moments", ["model", "checkpoint", "layer", "n", "kurtosis"])
-
-
-def fig_kurtosis_training(d: Data) -> Figure:
-    return _training_line(
-        d, "fig25_outlier_kurtosis_training", "Outlier kurtosis of the last layer during training",
-        "Kurtosis of the last layer's per-dimension second moments at each checkpoint.", "outlier_kurtosis",
-        "kurtosis", "Kurtosis of the second moments", ["model", "checkpoint", "step", "layer", "kurtosis"],
-        "source = 'all'")
-
-
 def fig_massive_layers(d: Data) -> Figure:
     f = Figure("fig26_massive_activations_by_layer", "Massive activations per layer (Sun et al.)",
                "The largest |h| of each layer over all counted tokens and dimensions, as a multiple of the mean |h| "
@@ -635,53 +604,49 @@ def fig_sequence_rank_training(d: Data) -> Figure:
         ["model", "checkpoint", "step", "layer", "windows", "effective_rank"], "source = 'all' AND pooling = 'mean'")
 
 
-def fig_dataset_entropy_layers(d: Data) -> Figure:
-    return _peer_by_layer(
-        d, "fig32_dataset_entropy_by_layer", "Dataset entropy per layer (Skean et al.)",
-        "Entropy of the spectrum of Σ ẑẑᵀ/W over the windows' normalised mean vectors ẑ, divided by log min(W, d): "
-        "1 = spread evenly over directions. Final checkpoint, all sources.",
-        "dataset_entropy", "dataset_entropy", "Dataset entropy (normalised)",
-        ["model", "checkpoint", "layer", "windows", "dataset_entropy"])
+@dataclass
+class _Measure:
+    """A per-layer measure drawn twice: by layer (final checkpoint) and its last layer across training."""
+    number: int  # the by-layer figure's number; the training figure is number + 1
+    view: str
+    value: str
+    title: str
+    cite: str
+    y_title: str
+    about: str  # what it is, for the by-layer caption
+    tips: tuple[str, ...] = ()  # columns besides model, checkpoint, (step,) layer and the value
+
+    def by_layer(self, d: Data) -> Figure:
+        return _peer_by_layer(d, f"fig{self.number}_{self.view}_by_layer", f"{self.title} per layer ({self.cite})",
+                              f"{self.about} Final checkpoint, all sources.", self.view, self.value, self.y_title,
+                              ["model", "checkpoint", "layer", *self.tips, self.value])
+
+    def training(self, d: Data) -> Figure:
+        return _training_line(d, f"fig{self.number + 1}_{self.view}_training",
+                              f"{self.title} of the last layer during training",
+                              f"{self.title} of the last layer at each checkpoint.", self.view, self.value,
+                              self.y_title, ["model", "checkpoint", "step", "layer", *self.tips, self.value],
+                              "source = 'all'")
 
 
-def fig_dataset_entropy_training(d: Data) -> Figure:
-    return _training_line(
-        d, "fig33_dataset_entropy_training", "Dataset entropy of the last layer during training",
-        "Normalised dataset entropy of the last layer at each checkpoint.", "dataset_entropy", "dataset_entropy",
-        "Dataset entropy (normalised)", ["model", "checkpoint", "step", "layer", "windows", "dataset_entropy"],
-        "source = 'all'")
-
-
-def fig_curvature_layers(d: Data) -> Figure:
-    return _peer_by_layer(
-        d, "fig34_curvature_by_layer", "Curvature per layer (Hosseini & Fedorenko; Skean et al.)",
-        "Mean angle (radians) between consecutive token-to-token steps h_{k+1} − h_k within a window, averaged over "
-        "windows; lower = straighter trajectories. Final checkpoint, all sources.",
-        "curvature", "curvature", "Curvature (radians)", ["model", "checkpoint", "layer", "windows", "curvature"])
-
-
-def fig_curvature_training(d: Data) -> Figure:
-    return _training_line(
-        d, "fig35_curvature_training", "Curvature of the last layer during training",
-        "Mean curvature of the last layer's token trajectories at each checkpoint.", "curvature", "curvature",
-        "Curvature (radians)", ["model", "checkpoint", "step", "layer", "windows", "curvature"], "source = 'all'")
-
-
-def fig_prompt_entropy_layers(d: Data) -> Figure:
-    return _peer_by_layer(
-        d, "fig36_prompt_entropy_by_layer", "Prompt entropy per layer (Skean et al.)",
-        "Per window, the entropy of the spectrum of its centred, normalised vectors' Gram matrix, divided by "
-        "log min(N, d); averaged over windows. Final checkpoint, all sources.",
-        "prompt_entropy", "prompt_entropy", "Prompt entropy (normalised)",
-        ["model", "checkpoint", "layer", "windows", "prompt_entropy"])
-
-
-def fig_prompt_entropy_training(d: Data) -> Figure:
-    return _training_line(
-        d, "fig37_prompt_entropy_training", "Prompt entropy of the last layer during training",
-        "Normalised prompt entropy of the last layer at each checkpoint.", "prompt_entropy", "prompt_entropy",
-        "Prompt entropy (normalised)", ["model", "checkpoint", "step", "layer", "windows", "prompt_entropy"],
-        "source = 'all'")
+MEASURES = [
+    _Measure(22, "alpha_req", "alpha_req", "αReQ", "Agrawal et al.; Li et al.", "alpha (spectral decay)",
+             "The power-law decay α of each layer's covariance spectrum (weighted fit of log λ_k over ranks "
+             "12 … 100); larger α: variance concentrated in fewer directions.", ("n",)),
+    _Measure(24, "outlier_kurtosis", "kurtosis", "Outlier kurtosis", "He et al.", "Kurtosis of the second moments",
+             "Kurtosis of the per-dimension second moments s_j = Σh_j²/n: mean s_j² / (mean s_j)². 1 when every "
+             "dimension carries the same energy; large when a few outlier dimensions dominate.", ("n",)),
+    _Measure(32, "dataset_entropy", "dataset_entropy", "Dataset entropy", "Skean et al.",
+             "Dataset entropy (normalised)",
+             "Entropy of the spectrum of Σ ẑẑᵀ/W over the windows' normalised mean vectors ẑ, divided by "
+             "log min(W, d): 1 = spread evenly over directions.", ("windows",)),
+    _Measure(34, "curvature", "curvature", "Curvature", "Hosseini & Fedorenko; Skean et al.", "Curvature (radians)",
+             "Mean angle (radians) between consecutive token-to-token steps h_{k+1} − h_k within a window, averaged "
+             "over windows; lower = straighter trajectories.", ("windows",)),
+    _Measure(36, "prompt_entropy", "prompt_entropy", "Prompt entropy", "Skean et al.", "Prompt entropy (normalised)",
+             "Per window, the entropy of the spectrum of its centred, normalised vectors' Gram matrix, divided by "
+             "log min(N, d); averaged over windows.", ("windows",)),
+]
 
 
 FIGURES = [
@@ -690,10 +655,10 @@ FIGURES = [
     fig_isotropy_training, fig_layernorm, fig_layernorm_training, fig_heatmap, fig_by_source, fig_tokens,
     fig_anisotropy_layers, fig_anisotropy_training, fig_intrinsic_dim_layers, fig_intrinsic_dim_training,
     fig_linearity_layers, fig_dim_contrib, fig_drift_layers, fig_drift_training, fig_inter_sim_by_frequency,
-    fig_similarity_layers, fig_alpha_req_layers, fig_alpha_req_training, fig_kurtosis_layers, fig_kurtosis_training,
+    fig_similarity_layers, MEASURES[0].by_layer, MEASURES[0].training, MEASURES[1].by_layer, MEASURES[1].training,
     fig_massive_layers, fig_massive_training, fig_weight_spectrum, fig_weight_spectrum_training,
-    fig_sequence_rank_layers, fig_sequence_rank_training, fig_dataset_entropy_layers, fig_dataset_entropy_training,
-    fig_curvature_layers, fig_curvature_training, fig_prompt_entropy_layers, fig_prompt_entropy_training,
+    fig_sequence_rank_layers, fig_sequence_rank_training,
+    *[f for m in MEASURES[2:] for f in (m.by_layer, m.training)],
 ]
 
 

@@ -209,16 +209,10 @@ SAMPLES_MERGED = pa.schema(_KEY_MERGED + [f for f in SAMPLES if f.name not in {f
 SEQUENCE_MOMENTS_MERGED = pa.schema(_KEY_MERGED + [f for f in SEQUENCE_MOMENTS
                                                    if f.name not in {f.name for f in _KEY_DATA}])
 # The group's top-k: of the union of its partials' (document_source: the source of the document).
-MASSIVE_MERGED = pa.schema(_KEY_MERGED + [
-    pa.field("layer", pa.int16(), nullable=False),
-    pa.field("rank", pa.int32(), nullable=False),
-    pa.field("abs_value", pa.float64(), nullable=False),
-    pa.field("dim", pa.int32(), nullable=False),
-    pa.field("token_id", pa.int32(), nullable=False),
-    pa.field("document_source", pa.string(), nullable=False),
-    pa.field("document", pa.int64(), nullable=False),
-    pa.field("position", pa.int64(), nullable=False),
-])
+_MASSIVE_VALUES = [f for f in MASSIVE if f.name not in {f.name for f in _KEY_DATA}]
+_AT_DOC = [f.name for f in _MASSIVE_VALUES].index("document")
+MASSIVE_MERGED = pa.schema(_KEY_MERGED + _MASSIVE_VALUES[:_AT_DOC]
+                           + [pa.field("document_source", pa.string(), nullable=False)] + _MASSIVE_VALUES[_AT_DOC:])
 
 # Derived per group from the merged state: source = 'all' holds the merge of every source.
 _KEY_DERIVED = _KEY_MERGED + [pa.field("layer", pa.int16(), nullable=False)]
