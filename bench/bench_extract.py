@@ -122,11 +122,13 @@ def main() -> None:
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="moments off the forward's path: a thread on a CPU (default there), a side stream on cuda")
     ap.add_argument("--sample", type=int, default=0, help="also keep a bottom-k sample of K vectors per layer")
+    ap.add_argument("--sequences", action="store_true", help="also the per-window measures (extract --sequences)")
     ap.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
                     help="also time writing the sums and report bytes per checkpoint")
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="isobench-"))
+    acc = None
     try:
         t0 = time.perf_counter()
         if args.direct:
@@ -160,6 +162,11 @@ def main() -> None:
                                   background=args.overlap)
         if args.sample:
             acc.sample = Sample(len(kinds), args.sample, args.hidden)
+        if args.sequences:
+            from extract.sequences import WindowMeasures
+
+            acc.extra = WindowMeasures(len(kinds), args.hidden, args.device, precision=args.moments_precision,
+                                       worker=acc.moments._worker if acc.moments is not None else None)
         rng = np.random.default_rng(1)
         sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
@@ -260,6 +267,8 @@ def main() -> None:
                       f"{types} token types ({size / (len(kinds) * types):.0f} B per (layer, token); "
                       f"{4 * args.hidden if vdt == 'float32' else 2 * args.hidden} B of it the vector)")
     finally:
+        if acc is not None:
+            acc.close()  # stops the moments' thread before the interpreter exits
         shutil.rmtree(tmp, ignore_errors=True)
 
 
