@@ -200,7 +200,7 @@ class TokenSums:
             order = np.argsort(slots, kind="stable")  # (M,)
             uniq, lengths = np.unique(slots[order], return_counts=True)  # (U,), (U,)
             to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
-            self._segments = (to(order), to(lengths), to(uniq).to(self.master), to(np.bincount(win_np, minlength=B)))
+            self._segments = (to(order), to(lengths), to(uniq).to(self.master))
         if not self.fold_partials:
             self._batch = (sel, torch.from_numpy(slots).to(self.device, non_blocking=True), None)
         else:  # fold a per-batch partial over the batch's distinct tokens into the remote master
@@ -264,19 +264,17 @@ class TokenSums:
         else:
             m, u = window_sums(h, norm, x, counts, win, n_win, cols)
             self._window_stats(layer, m, u, n_w, (x * x).sum(0))
+            if uniq is None:
+                self.sums[layer].index_add_(0, index, x)
+                self.counts[layer].index_add_(0, index, counts)
+            else:
+                partial = torch.zeros(len(uniq), d, dtype=torch.float64, device=x.device)
+                partial.index_add_(0, index, x)  # (U, d)
+                count = torch.zeros(len(uniq), dtype=torch.int64, device=x.device).index_add_(0, index, counts)
+                self.sums[layer].index_add_(0, uniq, partial.to(self.master))
+                self.counts[layer].index_add_(0, uniq, count.to(self.master))
         if self.extra is not None:
             self.extra.add(layer, h, ok, m, n_w)
-        if self.segment:
-            return
-        if uniq is None:
-            self.sums[layer].index_add_(0, index, x)
-            self.counts[layer].index_add_(0, index, counts)
-        else:
-            partial = torch.zeros(len(uniq), d, dtype=torch.float64, device=x.device)
-            partial.index_add_(0, index, x)  # (U, d)
-            count = torch.zeros(len(uniq), dtype=torch.int64, device=x.device).index_add_(0, index, counts)
-            self.sums[layer].index_add_(0, uniq, partial.to(self.master))
-            self.counts[layer].index_add_(0, uniq, count.to(self.master))
 
     def _segment_add(self, layer: int, h: torch.Tensor, x: torch.Tensor, counts: torch.Tensor,
                      n_w: torch.Tensor) -> torch.Tensor:
@@ -285,7 +283,8 @@ class TokenSums:
         (`segment_reduce`: one pass, no two threads adding into one row), then one read-modify-write
         of each distinct slot's float64 row; the per-window sums are segment sums too (a window's
         rows are contiguous).  h (M, d) raw, x (M, d) float64 û, counts (M,) 0/1 (excluded rows zero)."""
-        order, lengths, uniq, rows_w = self._segments
+        order, lengths, uniq = self._segments
+        rows_w = self._windows[3]  # (B,) rows per window (a window's rows are contiguous)
         seg = lambda a, n: torch.segment_reduce(a, "sum", lengths=n, unsafe=True)  # noqa: E731
         part = seg(x.index_select(0, order), lengths)  # (U, d) float64
         n = seg(counts.index_select(0, order).to(torch.float64), lengths).round_().long()  # (U,) exact ints
@@ -445,7 +444,6 @@ def _onednn_nt():
 
 
 _ONEDNN = _onednn_nt()
-
 
 
 def _mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

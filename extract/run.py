@@ -357,17 +357,10 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
                store.TableWriter(root, "layer_sums", values, run_id)]
     try:
         layer_rows = {k: [] for k in ("layer", "layer_kind", "n_layers", "n", "sum_sq", "n_nonfinite",
-                                      "n_zero", "vec", "sum_h", "sum_u2", "windows", "window_cos", "sum_abs",
-                                      "curv_windows", "curv_sum", "pe_windows", "pe_sum")}
+                                      "n_zero", "vec", "sum_h", "sum_u2", "windows", "window_cos",
+                                      *schema.WINDOW_SCALARS)}
         ex = acc.extra
-        if ex is not None:
-            ex.finish()
-            scalars = {k: getattr(ex, k).cpu().tolist() for k in ("sum_abs", "curv_windows", "curv_sum",
-                                                                   "pe_windows", "pe_sum")}
-            if not ex.prompt_entropy:
-                scalars["pe_windows"] = scalars["pe_sum"] = [None] * len(kinds)
-        else:
-            scalars = {k: [None] * len(kinds) for k in ("sum_abs", "curv_windows", "curv_sum", "pe_windows", "pe_sum")}
+        scalars = ex.scalars() if ex is not None else {k: [None] * len(kinds) for k in schema.WINDOW_SCALARS}
         nonfinite, zero = acc.nonfinite.cpu(), acc.zero.cpu()
         sum_h, sum_u2 = acc.sum_h.cpu().numpy(), acc.sum_u2.cpu().numpy()
         windows, window_cos = acc.windows.cpu().numpy(), acc.window_cos.cpu().numpy()

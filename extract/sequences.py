@@ -164,6 +164,15 @@ class WindowMeasures:
         if self._worker is not None:
             self._worker.wait()
 
+    def scalars(self) -> dict[str, list]:
+        """Per layer: Σ|h|, the curvature and prompt-entropy sums (None where not measured), by the
+        names of `layer_sums`' columns (schema.WINDOW_SCALARS)."""
+        self.finish()
+        out = {k: getattr(self, k).cpu().tolist() for k in ("sum_abs", "curv_windows", "curv_sum")}
+        for k in ("pe_windows", "pe_sum"):
+            out[k] = getattr(self, k).cpu().tolist() if self.prompt_entropy else [None] * self.L
+        return out
+
     def top(self, layer: int) -> dict[str, list]:
         """The layer's top-k rows, largest first (entries never filled are left out)."""
         self.finish()

@@ -315,7 +315,7 @@ def _fold_layers(st: Storage, old: dict | None, adds: list[dict], removes: list[
 
 # Per-layer scalars of extract/sequences.py: NULL in a group where any partial lacks them (an older
 # run, --no-sequences, no --prompt-entropy), so a group's value never silently covers part of it.
-_WINDOW_SCALARS = ("sum_abs", "curv_windows", "curv_sum", "pe_windows", "pe_sum")
+_WINDOW_SCALARS = schema.WINDOW_SCALARS
 
 
 def _window_scalars(st: Storage, layers: dict[int, dict], members: list[dict]) -> None:

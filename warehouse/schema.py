@@ -77,6 +77,9 @@ LAYER_SUMS = pa.schema(
     ]
 )
 
+# layer_sums' per-layer scalars of the per-window measures (extract/sequences.py), NULL where not measured.
+WINDOW_SCALARS = ("sum_abs", "curv_windows", "curv_sum", "pe_windows", "pe_sum")
+
 # Per (model, checkpoint, source, shard, layer): raw moments (--moments), float64.
 # s2 and s_cross are d×d matrices, row-major; s_cross = Σ h_layer h_{layer+1}ᵀ over the n_pair tokens
 # counted in both layers (NULL for the last layer).
