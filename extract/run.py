@@ -556,7 +556,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                 result.files = files
                 entries.append(_entry("data", loaded, run_id, files, settings, d, source, result,
                                       {**prov, "source_fingerprint": prints[source.name],
-                                       "source_path": source.describe() if source.builtin else str(source.path.resolve())}))
+                                       "source_path": str(source.path.resolve()) if source.path is not None else source.describe()}))
                 results.append(result)
                 if result.replaced_lines:
                     log(f"warning: {source.name}: {result.replaced_lines} lines had bytes that are not UTF-8 (replaced with U+FFFD)")

@@ -6,6 +6,10 @@ column.  Bytes that are not UTF-8 are replaced (U+FFFD) and the lines counted.
 
 Built-in sources need no file: `stdlib-docs` is every docstring (module, class, function) of
 the running Python's standard library, read at run time, one document each.
+
+Hugging Face datasets: `NAME=hf:ID_OR_DIR[:CONFIG][@REVISION]` — a hub id (streamed), a directory
+written by `save_to_disk`, or a local dataset directory (data files `load_dataset` reads); one
+document per row, from `--text-column` of `--split` (the `datasets` package, imported only here).
 """
 
 from __future__ import annotations
@@ -28,18 +32,41 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 FORMATS = (".jsonl.zst", ".jsonl", ".json.gz", ".txt", ".parquet")
 
 
+@dataclass(frozen=True)
+class HFDataset:
+    """A Hugging Face dataset: a hub id or a local directory, with its config, revision, split and
+    text column."""
+    ref: str
+    config: str | None
+    revision: str | None
+    split: str
+    text_column: str
+
+    @property
+    def local(self) -> Path | None:
+        p = Path(self.ref).expanduser()
+        return p if p.is_dir() else None
+
+    def describe(self) -> str:
+        return (f"hf:{self.ref}" + (f":{self.config}" if self.config else "") +
+                (f"@{self.revision}" if self.revision else "") + f" split {self.split}, column {self.text_column}")
+
+
 @dataclass
 class Source:
     name: str
-    path: Path | None  # None for a built-in source
+    path: Path | None  # None for a built-in source or a dataset
     pile_set: str | None = None
     encoding_errors: str = "strict"  # strict (fail) | replace (U+FFFD) | skip (drop the line)
+    hf: HFDataset | None = None
 
     @property
     def builtin(self) -> bool:
-        return self.path is None
+        return self.path is None and self.hf is None
 
     def describe(self) -> str:
+        if self.hf is not None:
+            return self.hf.describe()
         return f"built-in {self.name}" if self.builtin else str(self.path)
 
 
@@ -76,7 +103,21 @@ class ReadStats:
     skipped_lines: int = 0  # lines with bytes that were not UTF-8, dropped
 
 
-def parse_source(spec: str, pile_set: str | None = None, encoding_errors: str = "strict") -> Source:
+def parse_hf(name: str, body: str, split: str, text_column: str) -> HFDataset:
+    """ID_OR_DIR[:CONFIG][@REVISION] after 'hf:' (a local directory is taken whole when it exists)."""
+    ref, revision = body, None
+    if "@" in ref and not Path(ref).expanduser().is_dir():
+        ref, revision = ref.rsplit("@", 1)
+    config = None
+    if ":" in ref and not Path(ref).expanduser().is_dir():
+        ref, config = ref.rsplit(":", 1)
+    if not ref or revision == "" or config == "":
+        raise UserError(f"--source {name}=hf:{body}: expected hf:ID_OR_DIR[:CONFIG][@REVISION]")
+    return HFDataset(ref, config, revision, split, text_column)
+
+
+def parse_source(spec: str, pile_set: str | None = None, encoding_errors: str = "strict",
+                 split: str = "train", text_column: str = "text") -> Source:
     if encoding_errors not in ("strict", "replace", "skip"):
         raise UserError(f"--encoding-errors {encoding_errors!r}: expected strict, replace or skip")
     if spec in BUILTIN:
@@ -89,6 +130,10 @@ def parse_source(spec: str, pile_set: str | None = None, encoding_errors: str = 
             f"--source {spec!r}: NAME must be 1-64 letters, digits, '.', '_' or '-' (not starting with "
             "'.' or '-', and not 'all')"
         )
+    if path.startswith("hf:"):
+        src = Source(name, None, pile_set, encoding_errors, parse_hf(name, path[3:], split, text_column))
+        _hf_open(src)  # a wrong id, split or column fails here, before any model is loaded
+        return src
     p = Path(path).expanduser()
     if not p.is_file():
         raise UserError(f"--source {name}: {path}: no such file")
@@ -103,8 +148,21 @@ def parse_source(spec: str, pile_set: str | None = None, encoding_errors: str = 
 
 
 def fingerprint(source: Source) -> str:
-    """blake2b of the file's bytes, or of a built-in source's documents (recorded with each run)."""
+    """blake2b of the file's bytes, of a built-in source's documents, or of a local dataset
+    directory's files (names and bytes); a hub dataset: its id, config, split, column and the
+    revision (the commit the hub resolves it to when the hub can be reached)."""
     h = hashlib.blake2b(digest_size=16)
+    if source.hf is not None:
+        hf = source.hf
+        if hf.local is None:
+            return f"{hf.describe()} commit {_hub_commit(hf)}"
+        for f in sorted(p for p in hf.local.rglob("*") if p.is_file()):
+            h.update(str(f.relative_to(hf.local)).encode() + b"\0")
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(chunk)
+        h.update(f"{hf.config}|{hf.split}|{hf.text_column}".encode())
+        return h.hexdigest()
     if source.builtin:
         for doc in BUILTIN[source.name]():
             h.update(doc.encode())
@@ -172,7 +230,62 @@ def _binary_lines(path: Path) -> Iterator[bytes]:
             yield from f
 
 
+def _hub_commit(hf: HFDataset) -> str:
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().dataset_info(hf.ref, revision=hf.revision).sha or "unknown"
+    except Exception:  # offline, or no such dataset on the hub: recorded as such  # noqa: BLE001
+        return "unresolved"
+
+
+def _hf_rows(source: Source) -> Iterator[dict]:
+    """The rows of a dataset source's split (streamed from the hub, or read from disk)."""
+    yield from _hf_open(source)
+
+
+def _hf_open(source: Source):
+    """The dataset source's split, its text column checked where the dataset names its columns;
+    every failure is one line (a UserError)."""
+    hf = source.hf
+    try:
+        import datasets
+    except ImportError:
+        raise UserError(f"--source {source.name}=hf:…: needs the `datasets` package (pip install datasets)") from None
+    where = f"--source {source.name}={hf.describe()}"
+    try:
+        if hf.local is not None and any((hf.local / f).exists() for f in ("state.json", "dataset_dict.json")):
+            ds = datasets.load_from_disk(str(hf.local))  # written by save_to_disk
+            if isinstance(ds, datasets.DatasetDict):
+                if hf.split not in ds:
+                    raise UserError(f"{where}: no split {hf.split!r} (splits: {', '.join(ds)})")
+                ds = ds[hf.split]
+        else:  # a hub id (streamed) or a directory of data files
+            ds = datasets.load_dataset(str(hf.local or hf.ref), hf.config, split=hf.split, revision=hf.revision,
+                                       streaming=True)
+        names = ds.column_names
+        if names is not None and hf.text_column not in names:
+            raise UserError(f"{where}: no column {hf.text_column!r} (columns: {', '.join(names)}); use --text-column")
+        return ds
+    except UserError:
+        raise
+    except Exception as e:  # datasets raises many types (not found, bad split, offline hub)  # noqa: BLE001
+        raise UserError(f"{where}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
+
+
 def _raw_documents(source: Source, stats: ReadStats) -> Iterator[str]:
+    if source.hf is not None:
+        col = source.hf.text_column
+        for row in _hf_rows(source):
+            if col not in row:
+                raise UserError(f"--source {source.name}: a row has no column {col!r} (columns: {', '.join(row)})")
+            if source.pile_set is not None and (row.get("meta") or {}).get("pile_set_name") != source.pile_set:
+                stats.filtered += 1
+                yield None  # keeps the document index stable for sharding
+                continue
+            text = row[col]
+            yield text if isinstance(text, str) else ""
+        return
     if source.builtin:
         yield from BUILTIN[source.name]()
         return

@@ -122,6 +122,50 @@ def test_readers_agree_across_formats(tmp_path):
     assert sorted(both) == sorted(texts) and _docs(tmp_path / "a.jsonl", shard=(1, 2)) == [texts[0], texts[2]]
 
 
+def test_hugging_face_dataset_sources_equal_the_same_documents(workdir, sources, model_factory):
+    """`hf:` sources — a save_to_disk Dataset, a DatasetDict's split with another text column, a
+    directory of data files — give the views of the same documents from a .txt file, exactly;
+    the dataset's fingerprint is recorded; a wrong split, column or id is one line, exit 2, nothing
+    written."""
+    import datasets
+
+    texts = ref.source_texts(sources["alpha"])
+    root = workdir / "hf-datasets"
+    datasets.Dataset.from_dict({"text": texts, "n": list(range(len(texts)))}).save_to_disk(str(root / "disk"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": texts[:2]}),
+                          "validation": datasets.Dataset.from_dict({"body": texts})}).save_to_disk(str(root / "dict"))
+    (root / "files" / "data").mkdir(parents=True)
+    (root / "files" / "data" / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    (root / "plain.txt").write_text("\n".join(texts) + "\n")
+    model = model_factory("gpt_neox", tied=False)
+    common = ["--model", model, "--max-length", 32]
+    whs = {k: workdir / f"hf-wh-{k}" for k in ("txt", "disk", "dict", "files")}
+    runs = {"txt": ["--source", f"s={root / 'plain.txt'}"], "disk": ["--source", f"s=hf:{root / 'disk'}"],
+            "dict": ["--source", f"s=hf:{root / 'dict'}", "--split", "validation", "--text-column", "body"],
+            "files": ["--source", f"s=hf:{root / 'files'}"]}
+    got = {}
+    for k, args in runs.items():
+        code, _, err = run_cli("extract", *common, *args, "--warehouse", whs[k])
+        assert code == 0, err
+        con = connect(whs[k])
+        got[k] = [con.execute(f"SELECT * EXCLUDE (source) FROM {v} ORDER BY ALL").fetchall()
+                  for v in ("inter_sim_by_source", "avg_intra_sim_by_source", "anisotropy")]
+        fp, path = con.execute("SELECT source_fingerprint, json_extract_string(provenance, '$.source_path') "
+                               "FROM runs WHERE kind = 'data'").fetchone()
+        assert len(fp) == 32 and (k == "txt" or path.startswith("hf:")), (k, fp, path)
+        con.close()
+    assert got["txt"][0] and all(got[k] == got["txt"] for k in got), "same documents, same numbers"
+    bad = [(["--source", f"s=hf:{root / 'dict'}", "--split", "test"], "no split 'test' (splits: train, validation)"),
+           (["--source", f"s=hf:{root / 'disk'}", "--text-column", "body"], "no column 'body' (columns: text, n)"),
+           (["--source", f"s=hf:{root / 'nowhere'}/x"], "--source s=hf:"),
+           (["--source", "s=hf:"], "expected hf:ID_OR_DIR")]
+    for args, message in bad:
+        wh = workdir / "hf-wh-bad"
+        code, _, err = run_cli("extract", *common, *args, "--warehouse", wh)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+        assert not wh.exists()
+
+
 def test_non_utf8_lines_fail_or_are_replaced_or_skipped_and_counted(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"good line\nbad \xff\xfe line\nalso good\n")
     with pytest.raises(UserError, match=r"bad.txt:2: bytes that are not UTF-8"):
