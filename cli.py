@@ -50,7 +50,7 @@ def extract(
     model: str = typer.Option(..., "--model", "-m", help="Pythia alias (pythia-70m … pythia-12b[-deduped]), 'minilm', a local directory or a hub id."),
     checkpoint: Optional[List[str]] = typer.Option(None, "--checkpoint", "-c", help="Revision(s), e.g. step143000 (repeatable). Default: the final weights ('main')."),
     checkpoints: Optional[str] = typer.Option(None, "--checkpoints", help="COUNT evenly spaced Pythia steps (21 = the paper's); for a local directory COUNT evenly spaced of its stepN sub-directories, or 'all'."),
-    source: Optional[List[str]] = typer.Option(None, "--source", "-s", help="NAME=PATH (.txt, .jsonl, .jsonl.zst, .json.gz, .parquet), NAME=hf:ID_OR_DIR[:CONFIG][@REVISION] (a Hugging Face dataset: hub id, save_to_disk or data directory; --split, --text-column), or a built-in (stdlib-docs); repeatable."),
+    source: Optional[List[str]] = typer.Option(None, "--source", "-s", help="NAME=PATH (.txt, .jsonl, .jsonl.zst, .json.gz, .parquet), NAME=hf:ID_OR_DIR[:CONFIG][@REVISION] (a Hugging Face dataset: hub id, save_to_disk or data directory; --split, --text-column), NAME=pythia:PREFIX (Pythia's pre-tokenised training rows PREFIX.bin/.idx; --steps), or a built-in (stdlib-docs); repeatable."),
     warehouse: str = WAREHOUSE,
     unit: str = typer.Option("document", help="document | sentence (the paper's unit; pysbd splits)."),
     max_length: Optional[int] = typer.Option(None, help="Tokens per window (default: the model's context)."),
@@ -62,6 +62,9 @@ def extract(
     shard: Optional[str] = typer.Option(None, help="I/N: process a deterministic 1/N of each source's documents. Default: from torchrun (RANK+1 of WORLD_SIZE), a Slurm job array (task of count), else 1/1."),
     pile_set: Optional[str] = typer.Option(None, help="Keep only Pile documents with this meta.pile_set_name."),
     split: str = typer.Option("train", help="The split of hf: dataset sources."),
+    steps: Optional[str] = typer.Option(None, help="A:B: the training steps (inclusive) of pythia: sources."),
+    rows_per_step: int = typer.Option(1024, help="Rows per training step of pythia: sources (Pythia: 1,024)."),
+    seq_length: int = typer.Option(2049, help="Tokens per row of pythia: sources; the model saw the first seq-length − 1."),
     text_column: str = typer.Option("text", help="The column of hf: dataset sources that holds the text."),
     encoding_errors: str = typer.Option("strict", help="Lines that are not UTF-8: strict (fail, naming the line) | replace | skip (both counted)."),
     vector_dtype: str = typer.Option("float32", help="Storage of per-token sum vectors: float32 | float64 (exact merges, 2x bytes) | float16 (half the bytes)."),
@@ -125,7 +128,10 @@ def extract(
                 raise UserError(f"{name} must be at least 1")
         if not source and not params_only:
             raise UserError("give at least one --source NAME=PATH (or --params-only)")
-        sources = [parse_source(s, pile_set, encoding_errors, split, text_column) for s in source or []]
+        sources = [parse_source(s, pile_set, encoding_errors, split, text_column, steps, rows_per_step, seq_length)
+                   for s in source or []]
+        if unit == "sentence" and any(s.pretokenized for s in sources):
+            raise UserError("--unit sentence splits text: a pythia: source holds token ids (use --unit document)")
         if len({s.name for s in sources}) != len(sources):
             raise UserError("--source names must be distinct")
         budget = parse_bytes(memory_budget, "--memory-budget") if memory_budget is not None else None

@@ -135,13 +135,15 @@ def max_window(loaded: Loaded, settings: Settings) -> int:
     return settings.max_length or min(loaded.context, DEFAULT_MAX_LENGTH)
 
 
-def windows(loaded: Loaded, texts: Iterator[tuple[int, str]], settings: Settings, result: SourceResult,
-            splitter: SentenceSplitter | None) -> Iterator[tuple[list[int], int, int]]:
+def windows(loaded: Loaded, texts: Iterator[tuple[int, str | np.ndarray]], settings: Settings,
+            result: SourceResult, splitter: SentenceSplitter | None, specials: bool = True
+            ) -> Iterator[tuple[list[int], int, int]]:
     """Token windows (ids, document index, position of the first token in the document's token
     stream): documents or sentences, tokenised without special tokens and cut into pieces that
-    leave room for the ones the tokenizer adds (`batches` adds them)."""
+    leave room for the ones the tokenizer adds (`batches` adds them; with `specials` False — a
+    pre-tokenised source, whose documents are token ids — none are added, none room left)."""
     tok = loaded.tokenizer
-    content = max_window(loaded, settings) - len(loaded.prefix) - len(loaded.suffix)
+    content = max_window(loaded, settings) - (len(loaded.prefix) + len(loaded.suffix) if specials else 0)
     if content < 1:
         raise UserError(f"--max-length {max_window(loaded, settings)} leaves no room beside the tokenizer's "
                         f"{len(loaded.prefix) + len(loaded.suffix)} special tokens")
@@ -152,7 +154,11 @@ def windows(loaded: Loaded, texts: Iterator[tuple[int, str]], settings: Settings
 
     def flush():
         nonlocal budget
-        enc = tok(chunk, add_special_tokens=False)["input_ids"]
+        texts_at = [i for i, c in enumerate(chunk) if isinstance(c, str)]  # token ids pass as they are
+        enc = [c.tolist() if not isinstance(c, str) else None for c in chunk]
+        if texts_at:
+            for i, ids in zip(texts_at, tok([chunk[i] for i in texts_at], add_special_tokens=False)["input_ids"]):
+                enc[i] = ids
         for ids, doc in zip(enc, docs):
             if doc != offset["doc"]:
                 offset["doc"], offset["pos"] = doc, 0
@@ -168,8 +174,12 @@ def windows(loaded: Loaded, texts: Iterator[tuple[int, str]], settings: Settings
             offset["pos"] += len(ids)
 
     for doc, text in texts:
-        units = splitter(text) if splitter else [text]
-        if not units or not any(u.strip() for u in units):
+        if not isinstance(text, str):  # a pre-tokenised row: one unit of token ids
+            units = [text] if len(text) else []
+        else:
+            units = splitter(text) if splitter else [text]
+            units = units if any(u.strip() for u in units) else []
+        if not units:
             result.skipped += 1
             continue
         chunk.extend(units)
@@ -195,7 +205,7 @@ def batch_limits(loaded: Loaded, settings: Settings) -> tuple[int | None, int | 
 
 
 def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_size: int | None,
-            batch_tokens: int | None = None, count_special: bool = False
+            batch_tokens: int | None = None, count_special: bool = False, specials: bool = True
             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Padded batches (input_ids, attention_mask, counted, where) on the host, (B, T) each and
     `where` (B, T, 2): each position's document index and position in the document.  Every
@@ -212,8 +222,8 @@ def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_si
     a batch as long ones do."""
     tok = loaded.tokenizer
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    prefix = np.array(loaded.prefix, dtype=np.int64)
-    suffix = np.array(loaded.suffix, dtype=np.int64)
+    prefix = np.array(loaded.prefix if specials else [], dtype=np.int64)  # specials=False: rows fed as they are
+    suffix = np.array(loaded.suffix if specials else [], dtype=np.int64)
     p, q = len(prefix), len(suffix)
     special_ids = np.array(sorted(set(getattr(tok, "all_special_ids", []) or [])), dtype=np.int64)
 
@@ -309,9 +319,10 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
                    disable=None)
         start = time.perf_counter()
         with torch.inference_mode(), capture_layers(loaded.model, layout, acc.add):
+            specials = not source.pretokenized  # training rows are fed as the model saw them
             for input_ids, mask, counted, where in batches(
-                loaded, windows(loaded, texts, settings, result, splitter), *batch_limits(loaded, settings),
-                settings.special_tokens
+                loaded, windows(loaded, texts, settings, result, splitter, specials), *batch_limits(loaded, settings),
+                settings.special_tokens, specials
             ):
                 n = acc.set_batch(input_ids, counted, where)
                 if acc.sample is not None:

@@ -28,6 +28,9 @@ import numpy as np
 from common import faults
 from common.errors import UserError
 
+from .pythia import PythiaBatches, open_batches, parse_steps, training_rows
+from .pythia import fingerprint as pythia_fingerprint
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 FORMATS = (".jsonl.zst", ".jsonl", ".json.gz", ".txt", ".parquet")
 
@@ -59,12 +62,19 @@ class Source:
     pile_set: str | None = None
     encoding_errors: str = "strict"  # strict (fail) | replace (U+FFFD) | skip (drop the line)
     hf: HFDataset | None = None
+    pythia: PythiaBatches | None = None  # pre-tokenised training rows: token ids, no text
 
     @property
     def builtin(self) -> bool:
-        return self.path is None and self.hf is None
+        return self.path is None and self.hf is None and self.pythia is None
+
+    @property
+    def pretokenized(self) -> bool:
+        return self.pythia is not None
 
     def describe(self) -> str:
+        if self.pythia is not None:
+            return self.pythia.describe()
         if self.hf is not None:
             return self.hf.describe()
         return f"built-in {self.name}" if self.builtin else str(self.path)
@@ -117,7 +127,8 @@ def parse_hf(name: str, body: str, split: str, text_column: str) -> HFDataset:
 
 
 def parse_source(spec: str, pile_set: str | None = None, encoding_errors: str = "strict",
-                 split: str = "train", text_column: str = "text") -> Source:
+                 split: str = "train", text_column: str = "text", steps: str | None = None,
+                 rows_per_step: int = 1024, seq_length: int = 2049) -> Source:
     if encoding_errors not in ("strict", "replace", "skip"):
         raise UserError(f"--encoding-errors {encoding_errors!r}: expected strict, replace or skip")
     if spec in BUILTIN:
@@ -130,6 +141,12 @@ def parse_source(spec: str, pile_set: str | None = None, encoding_errors: str = 
             f"--source {spec!r}: NAME must be 1-64 letters, digits, '.', '_' or '-' (not starting with "
             "'.' or '-', and not 'all')"
         )
+    if path.startswith("pythia:"):
+        if rows_per_step < 1 or seq_length < 2:
+            raise UserError("--rows-per-step must be ≥ 1 and --seq-length ≥ 2")
+        batches = PythiaBatches(path[len("pythia:"):], parse_steps(steps), rows_per_step, seq_length)
+        open_batches(batches, f"--source {name}")  # a bad header or step range fails here
+        return Source(name, None, pile_set, encoding_errors, pythia=batches)
     if path.startswith("hf:"):
         src = Source(name, None, pile_set, encoding_errors, parse_hf(name, path[3:], split, text_column))
         _hf_open(src)  # a wrong id, split or column fails here, before any model is loaded
@@ -151,6 +168,8 @@ def fingerprint(source: Source) -> str:
     """blake2b of the file's bytes, of a built-in source's documents, or of a local dataset
     directory's files (names and bytes); a hub dataset: its id, config, split, column and the
     revision (the commit the hub resolves it to when the hub can be reached)."""
+    if source.pythia is not None:
+        return pythia_fingerprint(source.pythia, f"--source {source.name}")
     h = hashlib.blake2b(digest_size=16)
     if source.hf is not None:
         hf = source.hf
@@ -273,7 +292,11 @@ def _hf_open(source: Source):
         raise UserError(f"{where}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
 
 
-def _raw_documents(source: Source, stats: ReadStats) -> Iterator[str]:
+def _raw_documents(source: Source, stats: ReadStats) -> Iterator[str | np.ndarray]:
+    """Each document's text — or, for a pre-tokenised source, its token ids (int64)."""
+    if source.pythia is not None:
+        yield from training_rows(source.pythia, f"--source {source.name}")
+        return
     if source.hf is not None:
         col = source.hf.text_column
         for row in _hf_rows(source):

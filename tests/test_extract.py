@@ -166,6 +166,90 @@ def test_hugging_face_dataset_sources_equal_the_same_documents(workdir, sources,
         assert not wh.exists()
 
 
+def write_mmap_indexed(prefix, rows: list, code: int = 8) -> None:
+    """A Megatron MMapIndexedDataset (`.bin` + `.idx`) written from the format's description:
+    magic, version 1, dtype code (8: uint16), sequence and document counts, int32 sizes, int64 byte
+    offsets, int64 document index."""
+    dtype = np.uint16 if code == 8 else np.int32
+    data = [np.asarray(r, dtype=dtype) for r in rows]
+    sizes = np.array([len(r) for r in data], dtype=np.int32)
+    pointers = np.concatenate([[0], np.cumsum(sizes[:-1].astype(np.int64) * np.dtype(dtype).itemsize)]).astype(np.int64)
+    doc_idx = np.arange(len(rows) + 1, dtype=np.int64)
+    with open(f"{prefix}.bin", "wb") as f:
+        for r in data:
+            f.write(r.tobytes())
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + (1).to_bytes(8, "little") + bytes([code]) + len(rows).to_bytes(8, "little")
+                + len(doc_idx).to_bytes(8, "little") + sizes.tobytes() + pointers.tobytes() + doc_idx.tobytes())
+
+
+def test_pythia_training_rows_equal_the_models_own_hidden_states(workdir, model_factory):
+    """`--source NAME=pythia:PREFIX --steps A:B`: the rows of those steps (rows_per_step each), each
+    fed as the model saw it — its first seq_length − 1 ids, no special tokens added, the EOD id fed
+    but not counted — give the Inter-Sim of the model's own hidden states over exactly those
+    positions (float64 O(n²)); steps at both ends; bad headers and ranges are one line, exit 2.
+    Llama's tokenizer adds a BOS to text: a row fed with one would shift every hidden state."""
+    from transformers import AutoModel, AutoTokenizer
+
+    model = model_factory("llama", tied=False)
+    tok = AutoTokenizer.from_pretrained(model)
+    eod = tok.eos_token_id if tok.eos_token_id is not None else tok.all_special_ids[0]
+    rng = np.random.default_rng(7)
+    specials = set(tok.all_special_ids)
+    normal = [i for i in range(len(tok)) if i not in specials]
+    rows = []
+    for r in range(12):  # 4 steps of 3 rows, 10 tokens each (seq_length 10: 9 fed)
+        row = rng.choice(normal, size=10)
+        row[rng.integers(0, 9)] = eod  # a document boundary inside the fed part
+        rows.append(row)
+    prefix = workdir / "pythia-rows" / "document"
+    prefix.parent.mkdir()
+    write_mmap_indexed(prefix, rows)
+    net = AutoModel.from_pretrained(model).eval()
+
+    def inter_sim(layer: int, selected: list) -> tuple[int, float]:
+        vecs = []
+        with torch.no_grad():
+            for row in selected:
+                ids = torch.tensor(row[:9], dtype=torch.long)[None]
+                h = net(input_ids=ids, output_hidden_states=True).hidden_states[layer][0].double().numpy()
+                vecs.append(h[np.array([t not in specials for t in row[:9]])])
+        X = np.concatenate(vecs)
+        U = X / np.linalg.norm(X, axis=1, keepdims=True)
+        G = U @ U.T
+        n = len(U)
+        return n, (G.sum() - np.trace(G)) / (n * n - n)
+
+    for steps, sel in (("0:1", rows[:6]), ("3:3", rows[9:12])):
+        wh = workdir / f"pythia-wh-{steps.replace(':', '-')}"
+        code, _, err = run_cli("extract", "--model", model, "--source", f"p=pythia:{prefix}", "--steps", steps,
+                               "--rows-per-step", 3, "--seq-length", 10, "--warehouse", wh)
+        assert code == 0, err
+        con = connect(wh)
+        got = dict((layer, (n, v)) for layer, n, v in con.execute(
+            "SELECT layer, n, inter_sim FROM inter_sim WHERE layer IN (0, 1)").fetchall())
+        for layer in (0, 1):
+            n, want = inter_sim(layer, sel)
+            assert got[layer][0] == n == sum(9 - int(eod in r[:9]) for r in sel), (steps, layer)
+            assert got[layer][1] == pytest.approx(want, rel=1e-6, abs=1e-9), (steps, layer)
+        assert "pythia:" in con.execute("SELECT json_extract_string(provenance, '$.source_path') FROM runs "
+                                        "WHERE kind = 'data'").fetchone()[0]
+        con.close()
+    (workdir / "pythia-rows" / "bad.idx").write_bytes(b"NOTMMIDX" + bytes(40))
+    (workdir / "pythia-rows" / "bad.bin").write_bytes(b"")
+    for args, message in ((["--steps", "4:4"], "needs rows up to 14, the dataset has 12 (steps 0:3"),
+                          (["--steps", "2:1"], "expected A:B with 0 ≤ A ≤ B"),
+                          ([], "needs --steps A:B"),
+                          (["--steps", "0:0", "--unit", "sentence"], "--unit sentence splits text")):
+        code, _, err = run_cli("extract", "--model", model, "--source", f"p=pythia:{prefix}", "--rows-per-step", 3,
+                               "--seq-length", 10, *args, "--warehouse", workdir / "pythia-bad")
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = run_cli("extract", "--model", model, "--source", f"p=pythia:{workdir / 'pythia-rows' / 'bad'}",
+                           "--steps", "0:0", "--warehouse", workdir / "pythia-bad")
+    assert code == 2 and "bad header" in err
+    assert not (workdir / "pythia-bad").exists()
+
+
 def test_non_utf8_lines_fail_or_are_replaced_or_skipped_and_counted(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"good line\nbad \xff\xfe line\nalso good\n")
     with pytest.raises(UserError, match=r"bad.txt:2: bytes that are not UTF-8"):
