@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,6 +225,17 @@ def test_every_query_header_matches_its_columns(core):
         assert cols == list(metric.columns), metric.path
         text = metric.path.read_text()
         assert "-- Formula:" in text and "-- Inputs:" in text
+
+
+def test_views_reference_is_generated_from_the_query_headers():
+    """docs/views.md is what `scripts/views_doc.py` writes from queries/*.sql now: every view, with
+    its formula, inputs and columns (regenerate it after changing a header)."""
+    from warehouse.query import views_reference
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "views.md").read_text()
+    assert doc == views_reference(), "docs/views.md is stale: run python scripts/views_doc.py"
+    for metric in load_metrics():
+        assert f"## `{metric.name}`" in doc and ", ".join(f"`{c}`" for c in metric.columns) in doc
 
 
 def test_duckdb_shell_opens_the_warehouse(core):

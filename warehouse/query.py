@@ -47,6 +47,23 @@ def _header(text: str, field: str, path: Path) -> str:
     return m.group(1).strip()
 
 
+def views_reference(directory: Path = QUERIES_DIR) -> str:
+    """docs/views.md: every view's description, formula, inputs and columns, from the headers of
+    `queries/*.sql` (regenerate with `python scripts/views_doc.py`; a test keeps it current)."""
+    out = ["# Views", "",
+           "Generated from the headers of `queries/*.sql` by `python scripts/views_doc.py`; do not edit by hand.",
+           "Every view is keyed by model, checkpoint and step; most by source (`'all'`: the merge) and layer.",
+           "Base tables (the Parquet files, one view each): " + ", ".join(f"`{t}`" for t in BASE_VIEWS) + ".", ""]
+    for m in sorted(load_metrics(directory), key=lambda m: m.name):
+        text = m.path.read_text()
+        about = re.search(rf"^--\s*{re.escape(m.name)}:\s*(.*)$", text, re.MULTILINE)
+        out += [f"## `{m.name}`", "", about.group(1).strip() if about else "", "",
+                f"- **Formula**: {_header(text, 'Formula', m.path)}",
+                f"- **Inputs**: {', '.join(f'`{i}`' for i in m.inputs)}",
+                f"- **Columns**: {', '.join(f'`{c}`' for c in m.columns)}", ""]
+    return "\n".join(out)
+
+
 def load_metrics(directory: Path = QUERIES_DIR) -> list[Metric]:
     """The metric views, in an order where every view comes after its inputs."""
     metrics = {}
