@@ -485,7 +485,7 @@ class Moments:
 
         Σ_rows (h−c)(h−c)ᵀ = Σhhᵀ − c sᵀ − s cᵀ + R ccᵀ,   Σ (h_l−c_l)(h_m−c_m)ᵀ = Σ h_l h_mᵀ − s_l c_mᵀ − c_l s_mᵀ + R c_l c_mᵀ
 
-    so the stored sums mean the same whatever the precision.  Measured error against float64: README.
+    so the stored sums mean the same whatever the precision.  Measured error against float64: docs/views-guide.md.
     On an x86-64 CPU the float32 products go through oneDNN (`_onednn_nt`) on the rows transposed
     in chunks of ≤ CHUNK rows ((d, rows) each; a chunk's row sums give Σh cheaper than column sums),
     each chunk's products folded into the float64 sums; elsewhere through torch (one product per batch).
@@ -497,9 +497,9 @@ class Moments:
     sums (`n`, `s1`, `n_pair`, `s2()`, `cross()`) wait for the queue when read."""
 
     QUEUE_BYTES = 256 << 20  # rows waiting for the background thread, at most (one call's always fits)
-    CHUNK = 512  # rows per float32 product on oneDNN's path: shorter float32 sums (README: precision)
+    CHUNK = 512  # rows per float32 product on oneDNN's path: shorter float32 sums (docs/views-guide.md: precision)
 
-    CHUNK_BF16 = 4096  # rows per bf16 product (float32 accumulation inside it): README, precision
+    CHUNK_BF16 = 4096  # rows per bf16 product (float32 accumulation inside it): docs/views-guide.md, precision
 
     def __init__(self, n_layers: int, d: int, device: torch.device | str, cross: bool = True,
                  precision: str = "float32", background: bool | None = None):
@@ -722,7 +722,7 @@ class _Worker:
     the main thread drives the model.  The thread (and the OpenMP threads it starts, which inherit
     it) runs at the lowest priority, nice 19: on a CPU the forward keeps its cores and the products
     take what it leaves idle (Python between kernels, tokenising, single-threaded ops) — until the
-    queue is full and the main thread waits for them.  Measured: README, "What the moments cost"."""
+    queue is full and the main thread waits for them.  Measured: docs/views-guide.md, "Moments by default"."""
 
     NICE = 19
 

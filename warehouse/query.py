@@ -190,11 +190,11 @@ def views_tag(manifest: dict) -> str:
 
 def write_views_file(root, manifest: dict | None = None) -> str:
     """The init file for the DuckDB shell: `duckdb -init WAREHOUSE/views.sql`.  For a warehouse on
-    S3 it names s3:// URLs, which the shell reads with its httpfs extension (see the README)."""
+    S3 it names s3:// URLs, which the shell reads with its httpfs extension (see docs/scale-out.md)."""
     st = open_storage(root)
     manifest = manifest if manifest is not None else store.read_manifest(st)
     how = ("duckdb -init " + st.uri(store.VIEWS_FILE) if st.local else
-           "duckdb (with httpfs and an S3 secret; see the README), then .read " + st.uri(store.VIEWS_FILE) +
+           "duckdb (with httpfs and an S3 secret; see docs/scale-out.md), then .read " + st.uri(store.VIEWS_FILE) +
            " -- or `python cli.py pull` for a local copy")
     text = (
         views_tag(manifest)
