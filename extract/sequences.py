@@ -63,9 +63,7 @@ class WindowMeasures:
         """win: (M,) each counted row's window (ascending); meta: (M, 3) document, position, token id."""
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self._dev, non_blocking=True)  # noqa: E731
         M = len(win)
-        same = np.zeros(max(M - 1, 0), dtype=bool) if M else np.zeros(0, dtype=bool)
-        if M > 1:
-            same = win[1:] == win[:-1]  # (M − 1,) rows k, k + 1 in one window
+        same = win[1:] == win[:-1]  # (M − 1,) rows k, k + 1 in one window
         starts = np.searchsorted(win, np.arange(n_windows))  # (B,) first row of each window
         ends = np.searchsorted(win, np.arange(n_windows), side="right")
         if meta is None:
@@ -106,15 +104,14 @@ class WindowMeasures:
         # those has k rows before it whose maxima come before each of its entries — ties included.
         a = h.abs()  # (M, d)
         self.sum_abs[layer] += a.sum(1).sum(dtype=torch.float64)  # rows pairwise in their dtype (no float64 copy)
-        if M:
-            kk = min(self.k, M)
-            rowmax = a.amax(1).index_select(0, by_place)  # (M,) in (document, position) order
-            rows = by_place[torch.argsort(rowmax, descending=True, stable=True)[:kk]]  # (kk,)
-            val = torch.cat([self.top_val[layer], a.index_select(0, rows).reshape(-1).to(torch.float64)])
-            dim = torch.cat([self.top_dim[layer], torch.arange(d, device=h.device).repeat(kk)])
-            met = torch.cat([self.top_meta[layer], meta.index_select(0, rows).repeat_interleave(d, 0)])
-            keep = _top_order(val, met, dim)[: self.k]
-            self.top_val[layer], self.top_dim[layer], self.top_meta[layer] = val[keep], dim[keep], met[keep]
+        kk = min(self.k, M)
+        rowmax = a.amax(1).index_select(0, by_place)  # (M,) in (document, position) order
+        rows = by_place[torch.argsort(rowmax, descending=True, stable=True)[:kk]]  # (kk,)
+        val = torch.cat([self.top_val[layer], a.index_select(0, rows).reshape(-1).to(torch.float64)])
+        dim = torch.cat([self.top_dim[layer], torch.arange(d, device=h.device).repeat(kk)])
+        met = torch.cat([self.top_meta[layer], meta.index_select(0, rows).repeat_interleave(d, 0)])
+        keep = _top_order(val, met, dim)[: self.k]
+        self.top_val[layer], self.top_dim[layer], self.top_meta[layer] = val[keep], dim[keep], met[keep]
         # curvature: v_k = h_{k+1} − h_k within a window, both vectors ok.  In float32 (v exact for
         # bf16/fp16 rows, one rounding for float32 rows; dot products summed pairwise over d): cos to
         # ~1e-7, at 2.3 ms against 5.7 for float64 rows (M 4,096, d 512; docs/measures.md)

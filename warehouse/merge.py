@@ -318,19 +318,27 @@ def _fold_layers(st: Storage, old: dict | None, adds: list[dict], removes: list[
 _WINDOW_SCALARS = schema.WINDOW_SCALARS
 
 
-def _window_scalars(st: Storage, layers: dict[int, dict], members: list[dict]) -> None:
-    """Set the window scalars of `layers` to the sums over the group's members' layer_sums (L rows
-    each: read whole, whatever was added or removed)."""
-    tot: dict[int, dict] = {layer: {c: 0 for c in _WINDOW_SCALARS} for layer in layers}
-    for e in members:
+def _window_scalars(st: Storage, layers: dict[int, dict], old: dict | None, adds: list[dict],
+                    removes: list[dict], members: list[dict]) -> None:
+    """Set the window scalars of `layers`: the old merged values plus the added partials' when nothing
+    is removed (as the other layer totals), else the sums over the members' layer_sums (L rows each;
+    a NULL cannot be un-added).  A partial lacking a layer's values makes them NULL."""
+    incremental = old is not None and not removes
+    tot: dict[int, dict] = {}
+    for layer, r in layers.items():
+        if incremental:  # the old group's values (NULL for a layer the old group did not have)
+            tot[layer] = {c: r.get(c) for c in _WINDOW_SCALARS}
+        else:
+            tot[layer] = dict.fromkeys(_WINDOW_SCALARS, 0)
+    for e in (adds if incremental else members):
         seen = set()
         for r in st.read_table(e["files"]["layer_sums"], columns=["layer", *_WINDOW_SCALARS]).to_pylist():
             seen.add(r["layer"])
-            t = tot.setdefault(r["layer"], {c: 0 for c in _WINDOW_SCALARS})
+            t = tot.setdefault(r["layer"], dict.fromkeys(_WINDOW_SCALARS, None if incremental else 0))
             for c in _WINDOW_SCALARS:
                 t[c] = None if t[c] is None or r[c] is None else t[c] + r[c]
         for layer in set(tot) - seen:
-            tot[layer] = {c: None for c in _WINDOW_SCALARS}
+            tot[layer] = dict.fromkeys(_WINDOW_SCALARS, None)
     for layer, r in layers.items():
         r.update(tot[layer])
 
@@ -373,16 +381,25 @@ def _fold_sequences(st: Storage, old: dict | None, adds: list[dict], removes: li
                                               "eigenvalue": lam[::-1].tolist()})
 
 
-def _merge_massive(st: Storage, members: list[dict], out: "_Writers") -> None:
-    """The group's top-k |h| per layer: of the union of its members' (tiny) top-k tables, ordered by
-    |h| descending, then document source, document, position, dimension."""
+_MASSIVE_COLUMNS = ("layer", "rank", "abs_value", "dim", "token_id", "document", "position")
+
+
+def _merge_massive(st: Storage, old: dict | None, adds: list[dict], removes: list[dict], members: list[dict],
+                   out: "_Writers") -> None:
+    """The group's top-k |h| per layer: the top-k of the old merged top-k and the added partials'
+    (all members' when a partial is removed), ordered by |h| descending, then document source,
+    document, position, dimension — the top-k of a union is the top-k of the parts' top-ks."""
     if not members or not all("massive" in e["files"] for e in members):
         return
     rows = []
-    for e in members:
-        for r in st.read_table(e["files"]["massive"], columns=["layer", "rank", "abs_value", "dim", "token_id",
-                                                               "document", "position"]).to_pylist():
-            rows.append({**r, "document_source": e["source"]})
+    if old is not None and "massive_merged" in old["files"] and not removes:
+        rows += st.read_table(old["files"]["massive_merged"], columns=[*_MASSIVE_COLUMNS, "document_source"]).to_pylist()
+        parts = adds
+    else:
+        parts = members
+    for e in parts:
+        rows += [{**r, "document_source": e["source"]}
+                 for r in st.read_table(e["files"]["massive"], columns=list(_MASSIVE_COLUMNS)).to_pylist()]
     k = max((r["rank"] for r in rows), default=0)
     rows.sort(key=lambda r: (r["layer"], -r["abs_value"], r["document_source"], r["document"], r["position"],
                              r["dim"]))
@@ -392,8 +409,8 @@ def _merge_massive(st: Storage, members: list[dict], out: "_Writers") -> None:
             by_layer[r["layer"]].append({**r, "rank": len(by_layer[r["layer"]]) + 1})
     top = [r for layer in sorted(by_layer) for r in by_layer[layer]]
     if top:
-        out.rows("massive_merged", {c: [r[c] for r in top] for c in ("layer", "rank", "abs_value", "dim", "token_id",
-                                                                     "document_source", "document", "position")})
+        out.rows("massive_merged", {c: [r[c] for r in top] for c in (*_MASSIVE_COLUMNS[:5], "document_source",
+                                                                     *_MASSIVE_COLUMNS[5:])})
 
 
 # ---------------------------------------------------------------- moments and samples
@@ -491,7 +508,7 @@ def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, 
     try:
         types = _fold_tokens(st, key, old, adds, removes, d, out)
         layers = _fold_layers(st, old, adds, removes)
-        _window_scalars(st, layers, members)
+        _window_scalars(st, layers, old, adds, removes, members)
         if layers:
             cols = [f.name for f in schema.LAYER_TOTALS if f.name not in key]
             out.rows("layer_totals", {c: [(layers[l][c].tolist() if isinstance(layers[l][c], np.ndarray)
@@ -505,7 +522,7 @@ def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, 
         n_layers = max((r["n_layers"] for r in layers.values()), default=0)
         derived = _fold_derived(st, old, adds, removes, members, n_layers, out)
         _fold_sequences(st, old, adds, removes, members, n_layers, out)
-        _merge_massive(st, members, out)
+        _merge_massive(st, old, adds, removes, members, out)
         metrics = defaultdict(list)
         for layer in sorted(set(layers) | set(derived["n"])):
             metrics["layer"].append(layer)
