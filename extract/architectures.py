@@ -3,7 +3,9 @@
 For any `PreTrainedModel` the layout is discovered:
 
 * **base**: `model.base_model` (the module without the LM head: it is what is run, so the
-  head's (B, T, V) logits are never computed);
+  head's (B, T, V) logits are never computed); for an encoder-decoder (T5, BART, …) the
+  **encoder** (`model.get_encoder()`): its layers are measured, numbered like any model's, and
+  the decoder never runs (docs/extract.md, "Encoder-decoder models");
 * **embedding**: `model.get_input_embeddings()`; **unembedding**: `model.get_output_embeddings()`
   (tied or not; None for a model loaded without a head);
 * **blocks**: the `nn.ModuleList` inside the base whose length is the config's
@@ -210,6 +212,8 @@ def discover(model: torch.nn.Module, head: str, user: dict[str, str | None] | No
             raise UserError(f"--module {role}={path}: {type(model).__name__} has no module at {path!r}")
 
     base_mod = getattr(model, "base_model", model)
+    if getattr(config, "is_encoder_decoder", False) and hasattr(model, "get_encoder"):
+        base_mod = model.get_encoder()  # the encoder stack: the decoder is never run
     base = _path_of(model, base_mod) or ""
     vocab = getattr(text_config(config), "vocab_size", 2)
 

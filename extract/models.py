@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .architectures import Layout, discover, text_config
+from .architectures import Layout, discover, get_module, text_config
 from common.errors import UserError
 
 PYTHIA_SIZES = ("14m", "31m", "70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")
@@ -135,14 +135,28 @@ def _one_line(e: Exception) -> str:
 
 
 def head_of(config) -> str:
-    """causal | masked | base: encoders load with their masked-LM head, decoders with their causal
-    one, anything else without a head (the unembedding is then unknown)."""
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    """causal | masked | seq2seq | base: which Auto class loads a checkpoint.
 
-    if config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+    * an encoder-decoder (T5, BART, mBART, Pegasus, …; `config.is_encoder_decoder`) loads with its
+      sequence-to-sequence head, and its **encoder** is what is run (see architectures.discover);
+    * a checkpoint saved from a `…ForCausalLM` class loads with that class, even where the family's
+      default is another (a `BartForCausalLM` is BART's decoder alone: loading it as an
+      encoder-decoder would measure a freshly initialised encoder);
+    * otherwise encoders load with their masked-LM head, decoders with their causal one, anything
+      else without a head (the unembedding is then unknown)."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+
+    kind = config.model_type
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq" if kind in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES else "base"
+    saved_causal = any(str(a).endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or ()))
+    if saved_causal and kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "causal"
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and kind not in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
         return "masked"
-    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return "causal"
     return "base"
 
@@ -180,7 +194,8 @@ def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
     Weights go straight to `device` in their stored dtype (no float32 copy on the host); the
     parameter tables are computed from them there, then `to_compute` casts in place."""
     import transformers
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+    from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM,
+                              AutoModelForSeq2SeqLM, AutoTokenizer)
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
@@ -199,7 +214,8 @@ def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
     try:
         config = AutoConfig.from_pretrained(where, **common)
         head = head_of(config)
-        auto = {"causal": AutoModelForCausalLM, "masked": AutoModelForMaskedLM, "base": AutoModel}[head]
+        auto = {"causal": AutoModelForCausalLM, "masked": AutoModelForMaskedLM, "seq2seq": AutoModelForSeq2SeqLM,
+                "base": AutoModel}[head]
         model, info = auto.from_pretrained(
             where, dtype="auto", device_map=torch.device(device), output_loading_info=True, **common
         )
@@ -211,6 +227,12 @@ def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
         raise UserError(f"cannot load model {ref.location!r} at {checkpoint!r}{offline}: {_one_line(e)}") from None
     model.eval()
     layout = discover(model, head, modules, forward_kwargs(head))
+    missing = frozenset(info.get("missing_keys", ()))
+    blocks = get_module(model, layout.blocks)
+    absent = [f"{layout.blocks}.{n}" for n, _ in blocks.named_parameters() if f"{layout.blocks}.{n}" in missing]
+    if absent:  # e.g. a decoder-only checkpoint loaded as an encoder-decoder: random blocks
+        raise UserError(f"{where}: the checkpoint holds no weights for {len(absent)} parameters of the blocks "
+                        f"{layout.blocks} (e.g. {absent[0]}); they would be measured freshly initialised")
     text = text_config(config)
     context = int(getattr(text, "max_position_embeddings", 0) or getattr(text, "n_positions", 0) or 2048)
     emb_rows = model.get_input_embeddings().weight.shape[0]
@@ -221,7 +243,7 @@ def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
     prefix, suffix = special_template(tokenizer)
     return Loaded(
         ref=ref, checkpoint=checkpoint, step=parse_step(checkpoint), layout=layout, model=model,
-        tokenizer=tokenizer, missing_keys=frozenset(info.get("missing_keys", ())),
+        tokenizer=tokenizer, missing_keys=missing,
         revision_hash=getattr(config, "_commit_hash", None), context=context, prefix=prefix, suffix=suffix,
     )
 

@@ -78,12 +78,20 @@ def hidden_states(model_dir: str, texts: list[str], max_length: int, max_tokens:
 
 def own_hidden_states(model_dir: str, texts: list[str], special: bool = False):
     """The model's own `output_hidden_states`, each document fed whole as its tokenizer encodes it
-    by default (special tokens added), loaded with `AutoModel` (nothing of the extractor):
+    by default (special tokens added), loaded with `AutoModel` (nothing of the extractor; an
+    encoder-decoder's encoder, a `…ForCausalLM` of such a family with its own class):
     {index into hidden_states: (token ids, (n, d) float64)} at the positions that the
     tokenizer's special-tokens mask marks 0 (or at every position when `special`)."""
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES as SEQ2SEQ
 
-    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(model_dir)
+    if getattr(config, "is_encoder_decoder", False):  # the encoder's own hidden states
+        model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).get_encoder().eval()
+    elif config.model_type in SEQ2SEQ:  # an encoder-decoder family's decoder saved alone (BartForCausalLM)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    else:
+        model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     out = defaultdict(lambda: ([], []))
     with torch.no_grad():

@@ -67,10 +67,11 @@ def test_family_equals_its_own_hidden_states(family_runs, sources, family):
 
 
 # Families whose last hidden state is the last block's own output (post-LN encoders): no final norm.
-NO_FINAL_NORM = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "deberta-v2"}
+NO_FINAL_NORM = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "deberta-v2", "bart", "bart-causal"}
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_neox", "bert", "deberta-v2", "modernbert", "gemma2", "phi"])
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "bert", "deberta-v2", "modernbert", "gemma2", "phi",
+                                    "t5", "bart", "mbart", "bart-causal"])
 def test_final_norm_found_where_there_is_one(family_runs, family):
     _, wh = family_runs(family)
     kinds = [k for (k,) in connect(wh).execute(

@@ -36,6 +36,7 @@ TEMPLATES = {
     "cls_sep": "[CLS] $A [SEP]",  # BERT, DistilBERT, Electra, DeBERTa-v2, ModernBERT
     "s_eos": "<s> $A </s>",  # RoBERTa, XLM-RoBERTa
     "eos_bos": "</s> $A",  # OPT prepends </s>
+    "eos": "$A </s>",  # T5, mBART, Pegasus append </s>
     "none": "$A",  # GPT-NeoX, GPT-2, Qwen, BLOOM, …
 }
 
@@ -56,7 +57,7 @@ def make_tokenizer(path: Path, kind: str = "bpe", texts: list[str] | None = None
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(texts, trainer)
         names = dict(eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|pad|>")
-        if template in ("bos", "s_eos"):
+        if template in ("bos", "s_eos", "eos"):
             names.update(bos_token="<s>", eos_token="</s>")
         if template == "eos_bos":
             names.update(bos_token="</s>", eos_token="</s>")
@@ -110,8 +111,16 @@ FAMILY_SPECS = {
     "deberta-v2": ("wordpiece", "cls_sep", {}),
     "modernbert": ("wordpiece", "cls_sep", {"global_attn_every_n_layers": 1, "pad_token_id": 0,
                                             "cls_token_id": 2, "sep_token_id": 3}),
+    # Encoder-decoders (their encoder is measured) and BART's decoder saved alone (BartForCausalLM).
+    "t5": ("bpe", "eos", {"pad_token_id": 1, "eos_token_id": 3, "decoder_start_token_id": 1}),
+    "bart": ("bpe", "s_eos", {"pad_token_id": 1}),
+    "mbart": ("bpe", "eos", {"pad_token_id": 1}),
+    "pegasus": ("bpe", "eos", {"pad_token_id": 1}),
+    "bart-causal": ("bpe", "s_eos", {"pad_token_id": 1}),
 }
 ENCODERS = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "deberta-v2", "modernbert"}
+ENCODER_DECODERS = {"t5", "bart", "mbart", "pegasus"}
+MODEL_TYPE = {"bart-causal": "bart"}  # a family whose config is another family's
 
 
 def make_config(family: str, vocab: int, tied: bool, d: int = 32, layers: int = 2, context: int = 64, **extra):
@@ -135,20 +144,26 @@ def make_config(family: str, vocab: int, tied: bool, d: int = 32, layers: int = 
         common.update(max_position_embeddings=context + 2)
     if family == "falcon":
         common.pop("intermediate_size")
+    if family == "t5":
+        common.update(d_kv=d // h, d_ff=ff, num_decoder_layers=layers)
+    if MODEL_TYPE.get(family, family) in ("bart", "mbart", "pegasus"):
+        common.update(decoder_layers=layers, decoder_attention_heads=h, encoder_ffn_dim=ff, decoder_ffn_dim=ff,
+                      max_position_embeddings=context + 2)
     common.update(spec)
     common.update(extra)
-    return AutoConfig.for_model(family, **common)
+    return AutoConfig.for_model(MODEL_TYPE.get(family, family), **common)
 
 
 def make_model(path: Path, family: str, tied: bool, seed: int = 0, **kw) -> Path:
     """A random model of `family` with its family's tokenizer conventions, saved to `path` (safetensors)."""
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
 
     kind, template, _ = FAMILY_SPECS[family]
     tok = make_tokenizer(path, kind, template=template)
     config = make_config(family, len(tok), tied, **kw)
     torch.manual_seed(seed)
-    auto = AutoModelForMaskedLM if family in ENCODERS else AutoModelForCausalLM
+    auto = AutoModelForMaskedLM if family in ENCODERS else \
+        AutoModelForSeq2SeqLM if family in ENCODER_DECODERS else AutoModelForCausalLM
     model = auto.from_config(config)
     with torch.no_grad():  # give norms non-trivial gains and biases, as trained models have
         for name, p in model.named_parameters():
