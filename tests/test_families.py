@@ -77,3 +77,21 @@ def test_final_norm_found_where_there_is_one(family_runs, family):
     kinds = [k for (k,) in connect(wh).execute(
         "SELECT layer_kind FROM layer_norms WHERE source = 'all' ORDER BY layer").fetchall()]
     assert (kinds[-1] == "final_norm") == (family not in NO_FINAL_NORM)
+
+
+def test_blocks_without_weights_in_the_checkpoint_are_refused(workdir, sources, model_factory):
+    """BART's decoder saved alone, its config edited to claim an encoder-decoder: loading it as one
+    would measure a freshly initialised encoder. One line, exit 2, nothing written."""
+    import json
+    import shutil
+
+    src = model_factory("bart-causal", context=CONTEXT)
+    path = workdir / "bart-decoder-as-seq2seq"
+    shutil.copytree(src, path, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    config.update(is_encoder_decoder=True, architectures=["BartForConditionalGeneration"])
+    (path / "config.json").write_text(json.dumps(config))
+    wh = workdir / "refused-seq2seq"
+    code, _, err = run_cli("extract", "--model", path, "--source", f"alpha={sources['alpha']}", "--warehouse", wh)
+    assert code == 2 and "holds no weights for" in err and "model.encoder.layers" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (wh / "manifest.json").exists()
