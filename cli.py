@@ -60,7 +60,9 @@ def extract(
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: bfloat16 on cuda, float32 on cpu)."),
     shard: Optional[str] = typer.Option(None, help="I/N: process a deterministic 1/N of each source's documents. Default: from torchrun (RANK+1 of WORLD_SIZE), a Slurm job array (task of count), else 1/1."),
-    pile_set: Optional[str] = typer.Option(None, help="Keep only Pile documents with this meta.pile_set_name."),
+    pile_set: Optional[List[str]] = typer.Option(None, help="Keep only Pile documents with this meta.pile_set_name. Repeatable: several values make each its own source NAME.VALUE in one read (as --split-by meta.pile_set_name, keeping only those values)."),
+    split_by: Optional[str] = typer.Option(None, help="FIELD (a dotted path, e.g. meta.pile_set_name, or a Parquet / dataset column): each distinct value becomes its own source NAME.VALUE, all from one read of the file (docs/extract.md, 'One read, many sources')."),
+    split_limit: int = typer.Option(64, help="At most this many distinct --split-by values per source (each holds its own sums: moments are 2·L·d² float64 per value)."),
     split: str = typer.Option("train", help="The split of hf: dataset sources."),
     steps: Optional[str] = typer.Option(None, help="A:B: the training steps (inclusive) of pythia: sources."),
     rows_per_step: int = typer.Option(1024, help="Rows per training step of pythia: sources (Pythia: 1,024)."),
@@ -86,6 +88,8 @@ def extract(
     """Run a model over text sources and store mergeable sums.
 
     Example: python cli.py extract --model pythia-70m --checkpoint step143000 --source enron=enron.jsonl.zst --unit sentence
+
+    Example (the Pile's sources, one read): python cli.py extract --model pythia-160m --source pile=val.jsonl.zst --split-by meta.pile_set_name
 
     Example (a Hugging Face dataset): python cli.py extract --model pythia-160m --source wiki=hf:wikitext:wikitext-103-raw-v1 --split validation
 
@@ -128,8 +132,10 @@ def extract(
                 raise UserError(f"{name} must be at least 1")
         if not source and not params_only:
             raise UserError("give at least one --source NAME=PATH (or --params-only)")
-        sources = [parse_source(s, pile_set, encoding_errors, split, text_column, steps, rows_per_step, seq_length)
-                   for s in source or []]
+        if split_limit < 1:
+            raise UserError("--split-limit must be at least 1")
+        sources = [parse_source(s, pile_set, encoding_errors, split, text_column, steps, rows_per_step, seq_length,
+                                split_by) for s in source or []]
         if unit == "sentence" and any(s.pretokenized for s in sources):
             raise UserError("--unit sentence splits text: a pythia: source holds token ids (use --unit document)")
         if len({s.name for s in sources}) != len(sources):
@@ -149,7 +155,7 @@ def extract(
                             moments_precision=moments_precision, scatter=scatter, sequences=sequences,
                             prompt_entropy=prompt_entropy,
                             sample=sample, special_tokens=special_tokens, memory_budget=budget,
-                            spill_dir=str(spill_dir) if spill_dir else None, modules=modules)
+                            spill_dir=str(spill_dir) if spill_dir else None, modules=modules, split_limit=split_limit)
         start = time.perf_counter()
         tag = f"[rank {launch.rank} of {launch.world_size}] " if launch.distributed else ""
         results = run_extract(ref, revs, sources, warehouse, settings, log=lambda m: typer.echo(tag + m, err=True))

@@ -35,7 +35,8 @@ from .hooks import capture_layers, layer_kinds
 from .models import DTYPES, Loaded, ModelRef, check_dtype, forward_kwargs, load, to_compute
 from .memory import available_memory, limit_malloc_arenas, release_memory
 from .params import norm_table, partition_table, vocab_table
-from .sources import ReadStats, SentenceSplitter, Source, fingerprint, indexed_documents, position_keys, source_salt
+from .sources import (ReadStats, SentenceSplitter, Source, fingerprint, indexed_documents, position_keys, source_salt,
+                      split_documents, split_source)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Settings:
     memory_budget: int | None = None  # bytes for the token sums; None: half the memory free at the start
     spill_dir: str | None = None  # where sums beyond the budget are spilled (default: the system's temp dir)
     modules: dict = field(default_factory=dict)  # --module ROLE=PATH overrides of the discovered layout
+    split_limit: int = 64  # a split source: at most this many distinct values (each holds its own sums)
 
 
 # Settings that change a run's numbers: a finished run with the same ones can be kept (--skip-done).
@@ -135,62 +137,84 @@ def max_window(loaded: Loaded, settings: Settings) -> int:
     return settings.max_length or min(loaded.context, DEFAULT_MAX_LENGTH)
 
 
-def windows(loaded: Loaded, texts: Iterator[tuple[int, str | np.ndarray]], settings: Settings,
-            result: SourceResult, splitter: SentenceSplitter | None, specials: bool = True
-            ) -> Iterator[tuple[list[int], int, int]]:
+class Windower:
     """Token windows (ids, document index, position of the first token in the document's token
-    stream): documents or sentences, tokenised without special tokens and cut into pieces that
-    leave room for the ones the tokenizer adds (`batches` adds them; with `specials` False — a
-    pre-tokenised source, whose documents are token ids — none are added, none room left)."""
-    tok = loaded.tokenizer
-    content = max_window(loaded, settings) - (len(loaded.prefix) + len(loaded.suffix) if specials else 0)
-    if content < 1:
-        raise UserError(f"--max-length {max_window(loaded, settings)} leaves no room beside the tokenizer's "
-                        f"{len(loaded.prefix) + len(loaded.suffix)} special tokens")
-    budget = settings.max_tokens
-    chunk: list[str] = []
-    docs: list[int] = []
-    offset = {"doc": -1, "pos": 0}
+    stream), pushed one document at a time: documents or sentences, tokenised without special
+    tokens (256 units per tokenizer call) and cut into pieces that leave room for the ones the
+    tokenizer adds (`Batcher` adds them; with `specials` False — a pre-tokenised source, whose
+    documents are token ids — none are added, none room left).  `exhausted` once --max-tokens
+    is reached: push no more.  Push-style so that one read can feed several of them (--split-by);
+    `windows` is the same as a generator."""
 
-    def flush():
-        nonlocal budget
-        texts_at = [i for i, c in enumerate(chunk) if isinstance(c, str)]  # token ids pass as they are
-        enc = [c.tolist() if not isinstance(c, str) else None for c in chunk]
-        if texts_at:
-            for i, ids in zip(texts_at, tok([chunk[i] for i in texts_at], add_special_tokens=False)["input_ids"]):
-                enc[i] = ids
-        for ids, doc in zip(enc, docs):
-            if doc != offset["doc"]:
-                offset["doc"], offset["pos"] = doc, 0
-            for start in range(0, len(ids), content):
-                piece = ids[start:start + content]
-                if budget is not None:
-                    piece = piece[:budget]
-                    budget -= len(piece)
-                if piece:
-                    yield piece, doc, offset["pos"] + start
-                if budget is not None and budget <= 0:
-                    return
-            offset["pos"] += len(ids)
+    CHUNK = 256  # units per tokenizer call
 
-    for doc, text in texts:
+    def __init__(self, loaded: Loaded, settings: Settings, result: SourceResult,
+                 splitter: SentenceSplitter | None, specials: bool = True):
+        self.tok = loaded.tokenizer
+        self.content = max_window(loaded, settings) - (len(loaded.prefix) + len(loaded.suffix) if specials else 0)
+        if self.content < 1:
+            raise UserError(f"--max-length {max_window(loaded, settings)} leaves no room beside the tokenizer's "
+                            f"{len(loaded.prefix) + len(loaded.suffix)} special tokens")
+        self.budget = settings.max_tokens
+        self.result, self.splitter = result, splitter
+        self.chunk: list = []  # units (text or token ids) waiting for the tokenizer
+        self.docs: list[int] = []  # each unit's document
+        self.doc, self.pos = -1, 0  # the document being cut and its token offset so far
+
+    @property
+    def exhausted(self) -> bool:
+        return self.budget is not None and self.budget <= 0
+
+    def push(self, doc: int, text: str | np.ndarray) -> Iterator[tuple[list[int], int, int]]:
         if not isinstance(text, str):  # a pre-tokenised row: one unit of token ids
             units = [text] if len(text) else []
         else:
-            units = splitter(text) if splitter else [text]
+            units = self.splitter(text) if self.splitter else [text]
             units = units if any(u.strip() for u in units) else []
         if not units:
-            result.skipped += 1
-            continue
-        chunk.extend(units)
-        docs.extend([doc] * len(units))
-        if len(chunk) >= 256:
-            yield from flush()
-            chunk, docs = [], []
-            if budget is not None and budget <= 0:
-                return
-    if chunk:
-        yield from flush()
+            self.result.skipped += 1
+            return iter(())
+        self.chunk.extend(units)
+        self.docs.extend([doc] * len(units))
+        return self._flush() if len(self.chunk) >= self.CHUNK else iter(())
+
+    def finish(self) -> Iterator[tuple[list[int], int, int]]:
+        return self._flush() if self.chunk and not self.exhausted else iter(())
+
+    def _flush(self) -> Iterator[tuple[list[int], int, int]]:
+        chunk, docs = self.chunk, self.docs
+        self.chunk, self.docs = [], []
+        texts_at = [i for i, c in enumerate(chunk) if isinstance(c, str)]  # token ids pass as they are
+        enc = [c.tolist() if not isinstance(c, str) else None for c in chunk]
+        if texts_at:
+            for i, ids in zip(texts_at, self.tok([chunk[i] for i in texts_at], add_special_tokens=False)["input_ids"]):
+                enc[i] = ids
+        content = self.content
+        for ids, doc in zip(enc, docs):
+            if doc != self.doc:
+                self.doc, self.pos = doc, 0
+            for start in range(0, len(ids), content):
+                piece = ids[start:start + content]
+                if self.budget is not None:
+                    piece = piece[:self.budget]
+                    self.budget -= len(piece)
+                if piece:
+                    yield piece, doc, self.pos + start
+                if self.exhausted:
+                    return
+            self.pos += len(ids)
+
+
+def windows(loaded: Loaded, texts: Iterator[tuple[int, str | np.ndarray]], settings: Settings,
+            result: SourceResult, splitter: SentenceSplitter | None, specials: bool = True
+            ) -> Iterator[tuple[list[int], int, int]]:
+    """`Windower` over a stream of (document index, text): reading stops at --max-tokens."""
+    w = Windower(loaded, settings, result, splitter, specials)
+    for doc, text in texts:
+        yield from w.push(doc, text)
+        if w.exhausted:
+            return
+    yield from w.finish()
 
 
 def batch_limits(loaded: Loaded, settings: Settings) -> tuple[int | None, int | None]:
@@ -204,30 +228,49 @@ def batch_limits(loaded: Loaded, settings: Settings) -> tuple[int | None, int | 
     return settings.batch_size, settings.batch_tokens or default
 
 
-def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_size: int | None,
-            batch_tokens: int | None = None, count_special: bool = False, specials: bool = True
-            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+class Batcher:
     """Padded batches (input_ids, attention_mask, counted, where) on the host, (B, T) each and
-    `where` (B, T, 2): each position's document index and position in the document.  Every
-    window gets the special tokens the tokenizer adds by default (`loaded.prefix`/`suffix`:
-    BOS, [CLS] … [SEP]); their positions are not counted unless `count_special`, and a special
-    token id met inside the text (e.g. a literal "<|endoftext|>") is not counted either: that is
-    the tokenizer's special-tokens mask.  Counted specials get negative positions (−1 − k·8 − j
-    for the j-th special of the window starting at k), never a text position.
+    `where` (B, T, 2): each position's document index and position in the document, from windows
+    pushed one at a time.  Every window gets the special tokens the tokenizer adds by default
+    (`loaded.prefix`/`suffix`: BOS, [CLS] … [SEP]); their positions are not counted unless
+    `count_special`, and a special token id met inside the text (e.g. a literal "<|endoftext|>") is
+    not counted either: that is the tokenizer's special-tokens mask.  Counted specials get negative
+    positions (−1 − k·8 − j for the j-th special of the window starting at k), never a text position.
 
     Packing: a batch holds at most `batch_size` windows (None: no cap) and at most `batch_tokens`
     padded tokens, B × T with T its longest window, specials included (None: no budget; a window
     longer than the budget goes alone).  Windows are sorted by length within a buffer of 32
     batches' worth (length bucketing), so padding stays small and short windows (sentences) fill
-    a batch as long ones do."""
-    tok = loaded.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    prefix = np.array(loaded.prefix if specials else [], dtype=np.int64)  # specials=False: rows fed as they are
-    suffix = np.array(loaded.suffix if specials else [], dtype=np.int64)
-    p, q = len(prefix), len(suffix)
-    special_ids = np.array(sorted(set(getattr(tok, "all_special_ids", []) or [])), dtype=np.int64)
+    a batch as long ones do.  `push` returns the batches a full buffer makes (consume them before
+    the next push), `finish` the rest; `batches` is the same as a generator."""
 
-    def make(group):
+    BUFFER = 32  # batches' worth of windows sorted together
+
+    def __init__(self, loaded: Loaded, batch_size: int | None, batch_tokens: int | None = None,
+                 count_special: bool = False, specials: bool = True):
+        tok = loaded.tokenizer
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        self.prefix = np.array(loaded.prefix if specials else [], dtype=np.int64)  # specials=False: rows fed as they are
+        self.suffix = np.array(loaded.suffix if specials else [], dtype=np.int64)
+        self.special_ids = np.array(sorted(set(getattr(tok, "all_special_ids", []) or [])), dtype=np.int64)
+        self.batch_size, self.batch_tokens, self.count_special = batch_size, batch_tokens, count_special
+        self.buffer: list[tuple[list[int], int, int]] = []
+        self.tokens = 0
+
+    def push(self, w: tuple[list[int], int, int]) -> Iterator[tuple[torch.Tensor, ...]]:
+        self.buffer.append(w)
+        self.tokens += len(w[0]) + len(self.prefix) + len(self.suffix)
+        full = (self.tokens >= self.BUFFER * self.batch_tokens) if self.batch_tokens is not None else \
+            (len(self.buffer) >= self.BUFFER * self.batch_size)
+        return self.finish() if full else iter(())
+
+    def finish(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        buffer, self.buffer, self.tokens = self.buffer, [], 0
+        return self._packed(buffer)
+
+    def _make(self, group):
+        prefix, suffix = self.prefix, self.suffix
+        p, q = len(prefix), len(suffix)
         B = len(group)
         lens = np.fromiter((len(ids) for ids, _, _ in group), dtype=np.int64, count=B)  # (B,)
         docs = np.fromiter((doc for _, doc, _ in group), dtype=np.int64, count=B)
@@ -236,7 +279,7 @@ def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_si
         flat = np.fromiter((t for ids, _, _ in group for t in ids), dtype=np.int64, count=int(lens.sum()))  # (N,)
         rows = np.repeat(np.arange(B), lens)  # (N,) each text token's window
         offs = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)  # (N,) its place in the window
-        input_ids = np.full((B, T), pad, dtype=np.int64)
+        input_ids = np.full((B, T), self.pad, dtype=np.int64)
         input_ids[rows, p + offs] = flat
         input_ids[:, :p] = prefix
         tail = (p + lens)[:, None] + np.arange(q)  # (B, q) the suffix's columns
@@ -245,37 +288,38 @@ def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_si
         where = np.zeros((B, T, 2), dtype=np.int64)
         where[:, :, 0] = docs[:, None]
         where[rows, p + offs, 1] = starts[rows] + offs
-        if count_special:  # every position of the window but padding
+        if self.count_special:  # every position of the window but padding
             counted = mask.astype(bool)
             spec = np.concatenate([np.broadcast_to(np.arange(p), (B, p)), tail], axis=1)  # (B, p + q)
             where[np.arange(B)[:, None], spec, 1] = -1 - starts[:, None] * 8 - np.arange(p + q)
         else:
             counted = np.zeros((B, T), dtype=bool)
-            counted[rows, p + offs] = ~np.isin(flat, special_ids)
+            counted[rows, p + offs] = ~np.isin(flat, self.special_ids)
         return (torch.from_numpy(input_ids), torch.from_numpy(mask), torch.from_numpy(counted),
                 torch.from_numpy(where))
 
-    def packed(buffer):
+    def _packed(self, buffer):
+        pq = len(self.prefix) + len(self.suffix)
         buffer.sort(key=lambda w: len(w[0]))
         group: list = []
         for w in buffer:  # ascending: the window joining is the batch's longest
-            if group and ((batch_size is not None and len(group) >= batch_size) or
-                          (batch_tokens is not None and (len(group) + 1) * (len(w[0]) + p + q) > batch_tokens)):
-                yield make(group)
+            if group and ((self.batch_size is not None and len(group) >= self.batch_size) or
+                          (self.batch_tokens is not None and (len(group) + 1) * (len(w[0]) + pq) > self.batch_tokens)):
+                yield self._make(group)
                 group = []
             group.append(w)
         if group:
-            yield make(group)
+            yield self._make(group)
 
-    buffer: list[tuple[list[int], int, int]] = []
-    tokens = 0
+
+def batches(loaded: Loaded, wins: Iterator[tuple[list[int], int, int]], batch_size: int | None,
+            batch_tokens: int | None = None, count_special: bool = False, specials: bool = True
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`Batcher` over a stream of windows."""
+    b = Batcher(loaded, batch_size, batch_tokens, count_special, specials)
     for w in wins:
-        buffer.append(w)
-        tokens += len(w[0]) + p + q
-        if (tokens >= 32 * batch_tokens) if batch_tokens is not None else (len(buffer) >= 32 * batch_size):
-            yield from packed(buffer)
-            buffer, tokens = [], 0
-    yield from packed(buffer)
+        yield from b.push(w)
+    yield from b.finish()
 
 
 # ---------------------------------------------------------------- one source
@@ -289,16 +333,14 @@ def memory_budget(settings: Settings) -> int:
     return available_memory(torch.device(settings.accumulator_device or settings.device)) // 2
 
 
-def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result: SourceResult
-                      ) -> TokenSums:
-    """Stream one source through the model; the caller must `close()` the returned sums."""
-    layout = loaded.layout
-    base = get_module(loaded.model, layout.base)
-    emb = get_module(loaded.model, layout.embedding)
-    kinds = layer_kinds(loaded.model, layout)
+def new_accumulator(loaded: Loaded, settings: Settings, budget: int) -> TokenSums:
+    """The sums of one source: per-token sums and, as settings say, moments, per-window measures
+    and the sample."""
+    kinds = layer_kinds(loaded.model, loaded.layout)
     d = loaded.d
+    emb = get_module(loaded.model, loaded.layout.embedding)
     acc = TokenSums(len(kinds), emb.weight.shape[0], d, settings.device, settings.accumulator_device,
-                    budget=memory_budget(settings), spill_dir=settings.spill_dir, scatter=settings.scatter)
+                    budget=budget, spill_dir=settings.spill_dir, scatter=settings.scatter)
     try:
         if settings.moments:
             acc.moments = Moments(len(kinds), d, settings.accumulator_device or settings.device,
@@ -309,45 +351,159 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
                                        worker=acc.moments._worker if acc.moments is not None else None)
         if settings.sample:
             acc.sample = Sample(len(kinds), settings.sample, d)
+        return acc
+    except BaseException:
+        acc.close()
+        raise
+
+
+def _forward(loaded: Loaded, acc: TokenSums, batch, salt: int, settings: Settings, result: SourceResult) -> int:
+    """One batch through the base model, its layers folded into `acc` by the hooks."""
+    input_ids, mask, counted, where = batch
+    n = acc.set_batch(input_ids, counted, where)
+    if acc.sample is not None:
+        w = where[counted]  # (M, 2): document, position
+        keys = torch.from_numpy(position_keys(salt, w[:, 0].numpy(), w[:, 1].numpy()))
+        acc.sample.set_batch(keys, torch.cat([w, input_ids[counted][:, None]], 1))
+    get_module(loaded.model, loaded.layout.base)(
+        input_ids=input_ids.to(settings.device, non_blocking=True),
+        attention_mask=mask.to(settings.device, non_blocking=True), **forward_kwargs(loaded.layout.head))
+    faults.hit("forward")
+    result.tokens += n
+    result.windows += input_ids.shape[0]
+    return n
+
+
+def _finish(result: SourceResult, acc: TokenSums, stats: ReadStats) -> None:
+    result.replaced_lines = stats.replaced_lines
+    result.skipped_lines = stats.skipped_lines
+    result.nonfinite = int(acc.nonfinite.sum())
+    result.zero = int(acc.zero.sum())
+    result.spills = len(acc.spills)
+    result.accumulator_peak_bytes = acc.peak_bytes
+
+
+def _bar(loaded: Loaded, name: str, settings: Settings):
+    return tqdm(desc=f"{loaded.ref.name}@{loaded.checkpoint} {name}", unit="tok", unit_scale=True,
+                total=settings.max_tokens, mininterval=1.0, file=sys.stderr, disable=None)
+
+
+def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result: SourceResult
+                      ) -> TokenSums:
+    """Stream one source through the model; the caller must `close()` the returned sums."""
+    acc = new_accumulator(loaded, settings, memory_budget(settings))
+    try:
         salt = source_salt(source.name)
         stats = ReadStats()
         splitter = SentenceSplitter() if settings.unit == "sentence" else None
         texts = indexed_documents(source, settings.shard, stats)
-        kwargs = forward_kwargs(layout.head)
-        bar = tqdm(desc=f"{loaded.ref.name}@{loaded.checkpoint} {source.name}", unit="tok",
-                   unit_scale=True, total=settings.max_tokens, mininterval=1.0, file=sys.stderr,
-                   disable=None)
+        bar = _bar(loaded, source.name, settings)
         start = time.perf_counter()
-        with torch.inference_mode(), capture_layers(loaded.model, layout, acc.add):
+        with torch.inference_mode(), capture_layers(loaded.model, loaded.layout, acc.add):
             specials = not source.pretokenized  # training rows are fed as the model saw them
-            for input_ids, mask, counted, where in batches(
+            for batch in batches(
                 loaded, windows(loaded, texts, settings, result, splitter, specials), *batch_limits(loaded, settings),
                 settings.special_tokens, specials
             ):
-                n = acc.set_batch(input_ids, counted, where)
-                if acc.sample is not None:
-                    w = where[counted]  # (M, 2): document, position
-                    keys = torch.from_numpy(position_keys(salt, w[:, 0].numpy(), w[:, 1].numpy()))
-                    acc.sample.set_batch(keys, torch.cat([w, input_ids[counted][:, None]], 1))
-                base(input_ids=input_ids.to(settings.device, non_blocking=True),
-                     attention_mask=mask.to(settings.device, non_blocking=True), **kwargs)
-                faults.hit("forward")
-                result.tokens += n
-                result.windows += input_ids.shape[0]
-                bar.update(n)
+                bar.update(_forward(loaded, acc, batch, salt, settings, result))
         bar.close()
         result.seconds = time.perf_counter() - start
         result.documents = stats.documents
-        result.replaced_lines = stats.replaced_lines
-        result.skipped_lines = stats.skipped_lines
         result.filtered = stats.filtered
-        result.nonfinite = int(acc.nonfinite.sum())
-        result.zero = int(acc.zero.sum())
-        result.spills = len(acc.spills)
-        result.accumulator_peak_bytes = acc.peak_bytes
+        _finish(result, acc, stats)
         return acc
     except BaseException:
         acc.close()
+        raise
+
+
+@dataclass
+class SplitPart:
+    """One value of a split: its source, result, sums and its own windows and batches — the same
+    ones a filtered run of that value makes, so its numbers are that run's."""
+    source: Source
+    result: SourceResult
+    acc: TokenSums
+    windower: Windower
+    batcher: Batcher
+    salt: int
+
+
+def accumulate_split(loaded: Loaded, source: Source, settings: Settings) -> list[SplitPart]:
+    """Stream a split source (--split-by, several --pile-set) through the model in one read: each
+    document goes to its value's windows, batches and sums; a batch holds one value's windows.
+    The memory budget is shared equally by the values seen so far (a value's sums spill exactly
+    when its share is exceeded).  The caller must `close()` every part's sums."""
+    parts: dict[str, SplitPart] = {}
+    names: dict[str, str] = {}  # source name → value
+    total_budget = memory_budget(settings)
+    current: list[TokenSums | None] = [None]
+    stats = ReadStats()
+    splitter = SentenceSplitter() if settings.unit == "sentence" else None
+    limits = batch_limits(loaded, settings)
+    wanted = set(source.split_values) if source.split_values is not None else None
+
+    def add(layer: int, hidden: torch.Tensor) -> None:
+        current[0].add(layer, hidden)
+
+    def part_of(value: str) -> SplitPart:
+        sub = split_source(source, value)
+        if sub.name in names:
+            raise UserError(f"--split-by {source.split_by}: the values {names[sub.name]!r} and {value!r} both make "
+                            f"the source name {sub.name!r}; split by another field or filter one with --pile-set")
+        if len(parts) >= settings.split_limit:
+            raise UserError(f"--split-by {source.split_by}: more than {settings.split_limit} distinct values in "
+                            f"--source {source.name} (each holds its own sums); raise --split-limit or split by "
+                            "a field with fewer values")
+        share = total_budget // (len(parts) + 1)
+        for other in parts.values():  # the budget is shared: each value's sums spill beyond its share
+            other.acc.budget = share
+            if other.acc.table_bytes() > share:
+                other.acc.spill()
+        result = SourceResult(sub.name)
+        acc = new_accumulator(loaded, settings, share)
+        names[sub.name] = value
+        parts[value] = SplitPart(sub, result, acc, Windower(loaded, settings, result, splitter),
+                                 Batcher(loaded, *limits, settings.special_tokens), source_salt(sub.name))
+        return parts[value]
+
+    def run(part: SplitPart, batch) -> None:
+        current[0] = part.acc
+        t = time.perf_counter()
+        bar.update(_forward(loaded, part.acc, batch, part.salt, settings, part.result))
+        part.result.seconds += time.perf_counter() - t
+
+    bar = _bar(loaded, f"{source.name} (split by {source.split_by})", settings)
+    try:
+        with torch.inference_mode(), capture_layers(loaded.model, loaded.layout, add):
+            for index, value, text in split_documents(source, settings.shard, stats):
+                part = parts.get(value) or part_of(value)
+                if part.windower.exhausted:  # --max-tokens of this value reached
+                    if wanted is not None and len(parts) == len(wanted) and \
+                            all(p.windower.exhausted for p in parts.values()):
+                        break
+                    continue
+                part.result.documents += 1
+                for w in part.windower.push(index, text):
+                    for batch in part.batcher.push(w):
+                        run(part, batch)
+            for part in parts.values():
+                for w in part.windower.finish():
+                    for batch in part.batcher.push(w):
+                        run(part, batch)
+                for batch in part.batcher.finish():
+                    run(part, batch)
+        bar.close()
+        for value, part in parts.items():
+            part.result.filtered = stats.rows - stats.value_rows.get(value, 0)
+            _finish(part.result, part.acc, stats)
+        if stats.unassigned:
+            print(f"warning: {source.name}: {stats.unassigned} rows have no {source.split_by}; left out",
+                  file=sys.stderr)
+        return sorted(parts.values(), key=lambda p: p.source.name)
+    except BaseException:
+        for part in parts.values():
+            part.acc.close()
         raise
 
 
@@ -481,6 +637,8 @@ def _entry(kind: str, loaded: Loaded, run_id: str, files: dict, settings: Settin
     s = asdict(settings)
     s["shard"] = shard
     s["pile_set"] = source.pile_set if source else None
+    s["split_by"] = source.split_by if source else None
+    s["split_value"] = source.split_value if source else None
     return {
         "key": store.entry_key(kind, loaded.ref.name, loaded.checkpoint, source and source.name, shard),
         "kind": kind, "model": loaded.ref.name, "checkpoint": loaded.checkpoint, "step": loaded.step,
@@ -494,14 +652,27 @@ def _entry(kind: str, loaded: Loaded, run_id: str, files: dict, settings: Settin
 
 def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settings: Settings,
           source_fingerprint: str) -> bool:
+    """Whether the warehouse holds this (checkpoint, source, shard) with the same data and settings.
+    A split source is done when any of its values is: a checkpoint's sources commit together."""
     shard = f"{settings.shard[0]}-of-{settings.shard[1]}"
-    entry = manifest["entries"].get(store.entry_key("data", ref.name, checkpoint, source.name, shard))
-    if entry is None or entry["provenance"].get("source_fingerprint") != source_fingerprint:
-        return False
-    if entry["provenance"].get("model_location") != ref.location:
-        return False
+    if source.split_by is None:
+        entries = [manifest["entries"].get(store.entry_key("data", ref.name, checkpoint, source.name, shard))]
+    else:
+        entries = [e for e in manifest["entries"].values()
+                   if e["kind"] == "data" and e["model"] == ref.name and e["checkpoint"] == checkpoint
+                   and e["shard"] == shard and e["source"].startswith(source.name + ".")
+                   and e["settings"].get("split_by") == source.split_by]
     want = {**asdict(settings), "shard": shard, "pile_set": source.pile_set}
-    return all(entry["settings"].get(k) == want[k] for k in RESULT_SETTINGS)
+    for entry in entries:
+        if entry is None or entry["provenance"].get("source_fingerprint") != source_fingerprint:
+            continue
+        if entry["provenance"].get("model_location") != ref.location:
+            continue
+        if source.split_values is not None and entry["settings"].get("split_value") not in source.split_values:
+            continue
+        if all(entry["settings"].get(k) == want[k] for k in RESULT_SETTINGS):
+            return True
+    return False
 
 
 def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
@@ -540,6 +711,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                 "max_length": max_window(loaded, settings)}
         written: list[str] = []
         entries: list[dict] = []
+        done_here = 0  # results of this checkpoint (a split source gives one per value)
         try:
             t = time.perf_counter()
             params_files = write_params(root, loaded, run_id)
@@ -548,33 +720,40 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
             to_compute(loaded, dtype, settings.device)
             entries = [_entry("params", loaded, run_id, params_files, settings, d, prov=prov)]
             for source in ([] if settings.params_only else todo):
-                result = SourceResult(source.name)
-                acc = accumulate_source(loaded, source, settings, result)
+                if source.split_by is None:
+                    result = SourceResult(source.name)
+                    parts = [(source, result, accumulate_source(loaded, source, settings, result))]
+                else:
+                    parts = [(p.source, p.result, p.acc) for p in accumulate_split(loaded, source, settings)]
                 release_memory()  # the forward's freed temporaries, before the write allocates
                 try:
-                    if result.tokens == 0:
+                    if sum(r.tokens for _, r, _ in parts) == 0:
                         raise UserError(f"--source {source.name}: {source.describe()}: no tokens to process "
-                                        f"({result.documents} documents after filters)")
-                    spent["forward"] = spent.get("forward", 0.0) + result.seconds
-                    t = time.perf_counter()
-                    files = write_sums(root, loaded, source, settings, acc, run_id)
-                    spent["write"] = spent.get("write", 0.0) + time.perf_counter() - t
+                                        f"({sum(r.documents for _, r, _ in parts)} documents after filters)")
+                    for sub, result, acc in parts:  # one value's sums written, then freed
+                        spent["forward"] = spent.get("forward", 0.0) + result.seconds
+                        t = time.perf_counter()
+                        result.files = write_sums(root, loaded, sub, settings, acc, run_id)
+                        spent["write"] = spent.get("write", 0.0) + time.perf_counter() - t
+                        written += result.files.values()
+                        acc.close()
                 finally:
-                    acc.close()
-                written += files.values()
-                del acc
+                    for _, _, acc in parts:
+                        acc.close()
+                parts = [(sub, result) for sub, result, _ in parts]
                 release_memory()
-                result.files = files
-                entries.append(_entry("data", loaded, run_id, files, settings, d, source, result,
-                                      {**prov, "source_fingerprint": prints[source.name],
-                                       "source_path": str(source.path.resolve()) if source.path is not None else source.describe()}))
-                results.append(result)
-                if result.replaced_lines:
-                    log(f"warning: {source.name}: {result.replaced_lines} lines had bytes that are not UTF-8 (replaced with U+FFFD)")
-                if result.skipped_lines:
-                    log(f"warning: {source.name}: {result.skipped_lines} lines had bytes that are not UTF-8 (skipped)")
-                if result.nonfinite:
-                    log(f"warning: {source.name}: {result.nonfinite} NaN/inf activations counted and excluded")
+                for sub, result in parts:
+                    entries.append(_entry("data", loaded, run_id, result.files, settings, d, sub, result,
+                                          {**prov, "source_fingerprint": prints[source.name],
+                                           "source_path": str(sub.path.resolve()) if sub.path is not None else sub.describe()}))
+                    results.append(result)
+                    if result.replaced_lines:
+                        log(f"warning: {sub.name}: {result.replaced_lines} lines had bytes that are not UTF-8 (replaced with U+FFFD)")
+                    if result.skipped_lines:
+                        log(f"warning: {sub.name}: {result.skipped_lines} lines had bytes that are not UTF-8 (skipped)")
+                    if result.nonfinite:
+                        log(f"warning: {sub.name}: {result.nonfinite} NaN/inf activations counted and excluded")
+                done_here += len(parts)
             t = time.perf_counter()
             merge.commit(root, entries)  # the partials and their merged tables, in one manifest write
             spent["commit"] = time.perf_counter() - t
@@ -590,7 +769,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
         log(f"{ref.name}@{checkpoint}: {time.perf_counter() - t0:.1f} s: " +
             ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()))
-        for r in results[-len(todo):] if todo and not settings.params_only else []:
+        for r in results[len(results) - done_here:]:
             log(f"{ref.name}@{checkpoint} {r.source}: {r.tokens} tokens, {r.documents} documents, "
                 f"{r.skipped} skipped, {r.windows} windows, {r.nonfinite} non-finite, "
                 f"{r.seconds:.1f} s ({r.tokens / max(r.seconds, 1e-9):.0f} tok/s)")

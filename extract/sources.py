@@ -10,6 +10,11 @@ the running Python's standard library, read at run time, one document each.
 Hugging Face datasets: `NAME=hf:ID_OR_DIR[:CONFIG][@REVISION]` — a hub id (streamed), a directory
 written by `save_to_disk`, or a local dataset directory (data files `load_dataset` reads); one
 document per row, from `--text-column` of `--split` (the `datasets` package, imported only here).
+
+One read, many sources: `--split-by FIELD` (a dotted path into a JSON line, a Parquet or dataset
+row, e.g. `meta.pile_set_name`) makes each distinct value of the field its own source, named
+`NAME.VALUE` (`split_name`), from one read of the file; several `--pile-set` values are the same
+split by `meta.pile_set_name`, keeping only those values.
 """
 
 from __future__ import annotations
@@ -63,6 +68,9 @@ class Source:
     encoding_errors: str = "strict"  # strict (fail) | replace (U+FFFD) | skip (drop the line)
     hf: HFDataset | None = None
     pythia: PythiaBatches | None = None  # pre-tokenised training rows: token ids, no text
+    split_by: str | None = None  # a field (dotted path): each of its values is its own source
+    split_values: tuple[str, ...] | None = None  # only these values (several --pile-set); None: all
+    split_value: str | None = None  # a per-value source of a split: its value (its name is split_name's)
 
     @property
     def builtin(self) -> bool:
@@ -109,6 +117,9 @@ BUILTIN = {"stdlib-docs": stdlib_docstrings}
 class ReadStats:
     documents: int = 0  # documents yielded (after the shard and --pile-set filters)
     filtered: int = 0  # documents dropped by --pile-set
+    rows: int = 0  # rows read (a split: every row, whatever its value)
+    unassigned: int = 0  # a split: rows without the field (no value, so no source)
+    value_rows: dict = field(default_factory=dict)  # a split: rows of each value (every shard)
     replaced_lines: int = 0  # lines with bytes that were not UTF-8, replaced
     skipped_lines: int = 0  # lines with bytes that were not UTF-8, dropped
 
@@ -126,9 +137,95 @@ def parse_hf(name: str, body: str, split: str, text_column: str) -> HFDataset:
     return HFDataset(ref, config, revision, split, text_column)
 
 
-def parse_source(spec: str, pile_set: str | None = None, encoding_errors: str = "strict",
+PILE_FIELD = "meta.pile_set_name"
+
+
+def parse_source(spec: str, pile_set: str | list[str] | None = None, encoding_errors: str = "strict",
                  split: str = "train", text_column: str = "text", steps: str | None = None,
-                 rows_per_step: int = 1024, seq_length: int = 2049) -> Source:
+                 rows_per_step: int = 1024, seq_length: int = 2049, split_by: str | None = None) -> Source:
+    """One --source.  `pile_set`: one value (keep those documents, the source keeps its name) or
+    several (a split by meta.pile_set_name keeping those values); `split_by`: a split."""
+    src = _parse_source(spec, encoding_errors, split, text_column, steps, rows_per_step, seq_length)
+    values = [pile_set] if isinstance(pile_set, str) else list(dict.fromkeys(pile_set or []))
+    if len(values) > 1:
+        if split_by not in (None, PILE_FIELD):
+            raise UserError(f"several --pile-set values split the source by {PILE_FIELD}; with --split-by "
+                            f"{split_by} give at most one --pile-set")
+        src.split_by, src.split_values = PILE_FIELD, tuple(values)
+    else:
+        src.pile_set = values[0] if values else None
+        src.split_by = split_by
+    if src.split_by is not None or src.pile_set is not None:
+        check_split(src)
+    return src
+
+
+def check_split(source: Source) -> None:
+    """--split-by and --pile-set need rows with fields: JSON lines, Parquet or a dataset (a .txt,
+    built-in or pythia: source has none: refused, not silently unfiltered); the field a dotted path."""
+    field_ = source.split_by or PILE_FIELD
+    if any(not part for part in field_.split(".")):
+        raise UserError(f"--split-by {field_!r}: expected a field or a dotted path such as meta.pile_set_name")
+    what = "" if source.path is None else str(source.path)
+    if source.builtin or source.pythia is not None or what.endswith(".txt"):
+        raise UserError(f"--source {source.name}: {source.describe()}: --pile-set and --split-by need rows with "
+                        "fields (.jsonl, .jsonl.zst, .json.gz, .parquet or hf:)")
+    top = field_.split(".")[0]
+    if what.endswith(".parquet"):
+        names = _parquet_columns(source.path)
+        if top not in names:
+            raise UserError(f"--split-by {field_}: {source.path} has no column {top!r} (columns: {', '.join(names)})")
+    if source.hf is not None:
+        names = _hf_open(source).column_names
+        if names is not None and top not in names:
+            raise UserError(f"--split-by {field_}: {source.describe()} has no column {top!r} (columns: "
+                            f"{', '.join(names)})")
+
+
+def field_value(row, path: str) -> str | None:
+    """The value at a dotted path of a row (nested dicts), as text: strings as they are, numbers and
+    booleans as JSON writes them; None when absent or null."""
+    value = row
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    if value is None:
+        return None
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+
+
+SLUG_RE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def split_name(prefix: str, value: str) -> str:
+    """The source name of one value of a split: `PREFIX.VALUE` with each run of characters a name
+    cannot hold (spaces, parentheses, slashes, …) turned into one '_', leading and trailing '.', '_'
+    and '-' dropped (`blank` when nothing is left), cut to 64 characters.  The same value always gets
+    the same name (shards and machines agree); two values of one read that get the same name stop
+    the run (`Splitter`).  The value itself is in each run's settings (`split_value`)."""
+    slug = SLUG_RE.sub("_", value).strip("._-") or "blank"
+    return f"{prefix}.{slug}"[:64].rstrip("._-")
+
+
+def split_source(parent: Source, value: str) -> Source:
+    """The source of one value of a split: the parent's file and filters, its own name."""
+    return Source(split_name(parent.name, value), parent.path, parent.pile_set, parent.encoding_errors, parent.hf,
+                  parent.pythia, parent.split_by, None, value)
+
+
+def _parquet_columns(path: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        return list(pq.ParquetFile(path).schema_arrow.names)
+    except Exception as e:  # pyarrow raises several types for a bad file
+        raise UserError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+def _parse_source(spec: str, encoding_errors: str = "strict", split: str = "train", text_column: str = "text",
+                  steps: str | None = None, rows_per_step: int = 1024, seq_length: int = 2049,
+                  pile_set: str | None = None) -> Source:
     if encoding_errors not in ("strict", "replace", "skip"):
         raise UserError(f"--encoding-errors {encoding_errors!r}: expected strict, replace or skip")
     if spec in BUILTIN:
@@ -292,8 +389,10 @@ def _hf_open(source: Source):
         raise UserError(f"{where}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
 
 
-def _raw_documents(source: Source, stats: ReadStats) -> Iterator[str | np.ndarray]:
-    """Each document's text — or, for a pre-tokenised source, its token ids (int64)."""
+def _raw_documents(source: Source, stats: ReadStats, split: str | None = None) -> Iterator:
+    """Each document's text — or, for a pre-tokenised source, its token ids (int64); None for a
+    document --pile-set drops (it keeps its index).  With `split` (a field), (text or None, the
+    row's value of the field or None) instead."""
     if source.pythia is not None:
         yield from training_rows(source.pythia, f"--source {source.name}")
         return
@@ -304,10 +403,11 @@ def _raw_documents(source: Source, stats: ReadStats) -> Iterator[str | np.ndarra
                 raise UserError(f"--source {source.name}: a row has no column {col!r} (columns: {', '.join(row)})")
             if source.pile_set is not None and (row.get("meta") or {}).get("pile_set_name") != source.pile_set:
                 stats.filtered += 1
-                yield None  # keeps the document index stable for sharding
+                yield None if split is None else (None, None)  # keeps the document index stable for sharding
                 continue
             text = row[col]
-            yield text if isinstance(text, str) else ""
+            text = text if isinstance(text, str) else ""
+            yield text if split is None else (text, field_value(row, split))
         return
     if source.builtin:
         yield from BUILTIN[source.name]()
@@ -324,8 +424,20 @@ def _raw_documents(source: Source, stats: ReadStats) -> Iterator[str | np.ndarra
             raise UserError(f"{path}: not a readable Parquet file ({e})") from None
         if "text" not in pf.schema_arrow.names:
             raise UserError(f"{path}: Parquet file has no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
+        fields = [f for f in (split, PILE_FIELD if source.pile_set is not None else None) if f]
+        columns = list(dict.fromkeys(["text", *(f.split(".")[0] for f in fields)]))
         try:
-            for batch in pf.iter_batches(columns=["text"]):
+            for batch in pf.iter_batches(columns=columns):
+                if fields:  # rows as dicts: nested (struct) fields by their dotted paths
+                    for row in batch.to_pylist():
+                        text = row["text"]
+                        text = text if isinstance(text, str) else ""
+                        if source.pile_set is not None and field_value(row, PILE_FIELD) != source.pile_set:
+                            stats.filtered += 1
+                            yield None if split is None else (None, None)  # keeps the document index
+                            continue
+                        yield text if split is None else (text, field_value(row, split))
+                    continue
                 for text in batch.column(0).to_pylist():
                     yield text if isinstance(text, str) else ""
         except (pa.ArrowException, OSError) as e:
@@ -354,9 +466,9 @@ def _raw_documents(source: Source, stats: ReadStats) -> Iterator[str | np.ndarra
             set_name = meta.get("pile_set_name") if isinstance(meta, dict) else None
             if set_name != source.pile_set:
                 stats.filtered += 1
-                yield None  # keeps the document index stable for sharding
+                yield None if split is None else (None, None)  # keeps the document index stable for sharding
                 continue
-        yield obj["text"]
+        yield obj["text"] if split is None else (obj["text"], field_value(obj, split))
 
 
 def indexed_documents(source: Source, shard: tuple[int, int], stats: ReadStats) -> Iterator[tuple[int, str]]:
@@ -368,6 +480,27 @@ def indexed_documents(source: Source, shard: tuple[int, int], stats: ReadStats) 
             continue
         stats.documents += 1
         yield index, text
+
+
+def split_documents(source: Source, shard: tuple[int, int], stats: ReadStats
+                    ) -> Iterator[tuple[int, str, str]]:
+    """(index in the source, value of the split field, text) of the documents of shard I of N, in
+    one read; each document has the index a filtered run of its value gives it (rows of other
+    values, rows without the field and rows --pile-set drops keep their place)."""
+    i, n = shard
+    keep = None if source.split_values is None else set(source.split_values)
+    for index, (text, value) in enumerate(_raw_documents(source, stats, source.split_by)):
+        faults.hit("read")
+        stats.rows += 1
+        if text is None:  # --pile-set
+            continue
+        if value is None:
+            stats.unassigned += 1
+            continue
+        stats.value_rows[value] = stats.value_rows.get(value, 0) + 1
+        if index % n != i - 1 or (keep is not None and value not in keep):
+            continue
+        yield index, value, text
 
 
 def documents(source: Source, shard: tuple[int, int], stats: ReadStats) -> Iterator[str]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import reference as ref
+import tiny
 from conftest import run_cli
 from extract import accumulate
 from extract.accumulate import Moments, TokenSums
@@ -164,6 +165,109 @@ def test_hugging_face_dataset_sources_equal_the_same_documents(workdir, sources,
         code, _, err = run_cli("extract", *common, *args, "--warehouse", wh)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
         assert not wh.exists()
+
+
+SPLIT_VIEWS = ("inter_sim_by_source", "avg_intra_sim_by_source", "anisotropy", "isoscore", "curvature",
+               "massive_activations", "intrinsic_dim", "sequence_spectrum", "token_stats", "layer_norms")
+
+
+def _by_source(wh, names) -> dict:
+    """Every split-relevant view's rows of the given sources, ordered, floats rounded to 12 digits."""
+    con = connect(wh)
+    out = {}
+    for v in SPLIT_VIEWS:
+        cols = [c[0] for c in con.execute(f"DESCRIBE {v}").fetchall() if c[0] not in ("checkpoint", "step")]
+        rows = con.execute(f"SELECT {', '.join(cols)} FROM {v} WHERE source IN ({', '.join('?' * len(names))}) "
+                           "ORDER BY ALL", list(names)).fetchall()
+        out[v] = [tuple(round(x, 12 - max(0, len(str(int(abs(x)))))) if isinstance(x, float) else x for x in r)
+                  for r in rows]
+    con.close()
+    return out
+
+
+def test_split_by_equals_filtered_runs_in_one_read(workdir, model_factory):
+    """--split-by meta.pile_set_name makes each value its own source (NAME.VALUE, the documented
+    rule) in one read, and each equals a filtered --pile-set run of that value: every view, sample,
+    sequence measure and massive activation (document indices included) to 1e-12; rows without the
+    field are left out and counted; several --pile-set values are the same split kept to those
+    values; Parquet (a struct column) and a Hugging Face dataset split the same way as JSON lines;
+    --skip-done keeps a finished split; bad inputs are one line, exit 2, nothing written."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sets = ["Pile-CC", "PubMed Central", "Wikipedia (en)"]
+    rows = [{"text": t, "meta": {"pile_set_name": sets[i % 3] if i % 7 else None}}
+            for i, t in enumerate(tiny.corpus(42, seed=11))]
+    root = workdir / "split"
+    root.mkdir()
+    (root / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pq.write_table(pa.Table.from_pylist(rows), root / "p.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(root / "disk"))
+    model = model_factory("llama", tied=False)  # a BOS template: specials around every window
+    common = ["--model", model, "--max-length", 16, "--sample", 40, "--sequences", "--batch-size", 4]
+    names = {"Pile-CC": "p.Pile-CC", "PubMed Central": "p.PubMed_Central", "Wikipedia (en)": "p.Wikipedia_en"}
+
+    split = root / "wh-split"
+    code, _, err = run_cli("extract", *common, "--source", f"p={root / 'p.jsonl'}", "--split-by", "meta.pile_set_name",
+                           "--warehouse", split)
+    assert code == 0, err
+    assert "6 rows have no meta.pile_set_name; left out" in err
+    con = connect(split)
+    assert sorted(r[0] for r in con.execute("SELECT DISTINCT source FROM runs WHERE kind = 'data'").fetchall()) == \
+        sorted(names.values())
+    values = dict(con.execute("SELECT source, json_extract_string(settings, '$.split_value') FROM runs "
+                              "WHERE kind = 'data'").fetchall())
+    assert values == {v: k for k, v in names.items()}
+    con.close()
+    got = _by_source(split, list(names.values()))
+    assert all(got[v] for v in SPLIT_VIEWS if v != "massive_activations"), "every view has rows"
+
+    filtered = root / "wh-filtered"
+    for value in ("Pile-CC", "PubMed Central"):
+        code, _, err = run_cli("extract", *common, "--source", f"{names[value]}={root / 'p.jsonl'}",
+                               "--pile-set", value, "--warehouse", filtered)
+        assert code == 0, err
+    want = _by_source(filtered, [names["Pile-CC"], names["PubMed Central"]])
+    assert want == _by_source(split, [names["Pile-CC"], names["PubMed Central"]]), "a split value = its filtered run"
+
+    several = root / "wh-several"
+    code, _, err = run_cli("extract", *common, "--source", f"p={root / 'p.jsonl'}", "--pile-set", "PubMed Central",
+                           "--pile-set", "Wikipedia (en)", "--warehouse", several)
+    assert code == 0, err
+    two = [names["PubMed Central"], names["Wikipedia (en)"]]
+    assert connect(several).execute("SELECT count(DISTINCT source) FROM runs WHERE kind = 'data'").fetchone()[0] == 2
+    assert _by_source(several, two) == _by_source(split, two)
+
+    for kind, spec in (("parquet", f"p={root / 'p.parquet'}"), ("hf", f"p=hf:{root / 'disk'}")):
+        wh = root / f"wh-{kind}"
+        code, _, err = run_cli("extract", *common, "--source", spec, "--split-by", "meta.pile_set_name",
+                               "--warehouse", wh)
+        assert code == 0, (kind, err)
+        assert _by_source(wh, list(names.values())) == got, kind
+
+    code, out, err = run_cli("extract", *common, "--source", f"p={root / 'p.jsonl'}", "--split-by",
+                             "meta.pile_set_name", "--warehouse", split, "--skip-done")
+    assert code == 0 and "already in the warehouse" in out + err, out + err
+
+    (root / "clash.jsonl").write_text("".join(json.dumps({"text": "Some text here.", "g": g}) + "\n"
+                                              for g in ("a b", "a_b")))
+    (root / "many.jsonl").write_text("".join(json.dumps({"text": "Some text here.", "g": i}) + "\n" for i in range(3)))
+    (root / "p.txt").write_text("One document.\n")
+    bad = [(["--source", f"p={root / 'p.txt'}", "--split-by", "g"], "need rows with fields"),
+           (["--source", f"p={root / 'p.txt'}", "--pile-set", "Pile-CC"], "need rows with fields"),
+           (["--source", f"p={root / 'p.jsonl'}", "--split-by", "meta..x"], "expected a field or a dotted path"),
+           (["--source", f"p={root / 'p.parquet'}", "--split-by", "group"], "has no column 'group'"),
+           (["--source", f"p={root / 'p.jsonl'}", "--split-by", "g", "--pile-set", "a", "--pile-set", "b"],
+            "give at most one --pile-set"),
+           (["--source", f"p={root / 'clash.jsonl'}", "--split-by", "g"], "both make the source name 'p.a_b'"),
+           (["--source", f"p={root / 'many.jsonl'}", "--split-by", "g", "--split-limit", "2"],
+            "more than 2 distinct values")]
+    for args, message in bad:
+        wh = root / "wh-bad"
+        code, _, err = run_cli("extract", "--model", model, *args, "--warehouse", wh)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, err)
+        assert not (wh / "manifest.json").exists()
 
 
 def write_mmap_indexed(prefix, rows: list, code: int = 8) -> None:
