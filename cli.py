@@ -30,21 +30,6 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def parse_bytes(text: str, option: str) -> int:
-    """'512MB', '2GiB', '1e9' → bytes (KB/MB/GB = 10^3…, KiB/MiB/GiB = 2^10…)."""
-    import re
-
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in units:
-        raise UserError(f"{option} {text!r}: expected a size such as 512MB or 20GiB")
-    value = int(float(m.group(1)) * units[m.group(2).lower()])
-    if value < 1:
-        raise UserError(f"{option} {text!r}: must be positive")
-    return value
-
-
 @app.command()
 def extract(
     model: str = typer.Option(..., "--model", "-m", help="Pythia alias (pythia-70m … pythia-12b[-deduped]), 'minilm', a local directory or a hub id."),
@@ -95,73 +80,116 @@ def extract(
 
     Example (one node, 8 GPUs, one shard per GPU): torchrun --standalone --nproc_per_node 8 cli.py extract --model pythia-1.4b --source pile=val.jsonl.zst
     """
-    import torch
-
-    from extract.architectures import parse_module_overrides
-    from extract.launch import detect, device_for, finish
-    from extract.models import DTYPES, resolve_model, select_checkpoints
-    from extract.accumulate import SCATTERS
-    from extract.run import Settings, check_moments_precision, extract as run_extract, summary_line
-    from extract.sources import parse_shard, parse_source
+    options = dict(locals())  # every option by name, before anything else is bound
+    from extract.launch import finish
+    from extract.options import prepare
+    from extract.run import extract as run_extract, summary_line
 
     try:
-        if unit not in ("document", "sentence"):
-            raise UserError(f"--unit {unit!r}: expected document or sentence")
-        if vector_dtype not in ("float32", "float64", "float16"):
-            raise UserError(f"--vector-dtype {vector_dtype!r}: expected float32, float64 or float16")
-        launch = detect(parse_shard(shard) if shard is not None else None)
-        device = device_for(launch, device, torch.cuda.is_available())
-        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-            raise UserError(f"--device {device!r}: expected cpu or cuda")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise UserError("--device cuda: no CUDA device is available")
-        dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-        if dtype not in DTYPES:
-            raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-        if sample < 0:
-            raise UserError("--sample must be 0 (none) or a positive count")
-        if prompt_entropy and sequences is False:
-            raise UserError("--prompt-entropy is a per-window measure: it cannot go with --no-sequences")
-        sequences = bool(sequences or prompt_entropy)
-        if scatter not in SCATTERS:
-            raise UserError(f"--scatter {scatter!r}: expected one of {', '.join(SCATTERS)}")
-        moments_precision = check_moments_precision(moments_precision, accumulator_device or device, dtype)
-        for name, value in (("--batch-size", batch_size), ("--batch-tokens", batch_tokens), ("--max-length", max_length),
-                            ("--max-tokens", max_tokens)):
-            if value is not None and value < 1:
-                raise UserError(f"{name} must be at least 1")
-        if not source and not params_only:
-            raise UserError("give at least one --source NAME=PATH (or --params-only)")
-        if split_limit < 1:
-            raise UserError("--split-limit must be at least 1")
-        sources = [parse_source(s, pile_set, encoding_errors, split, text_column, steps, rows_per_step, seq_length,
-                                split_by) for s in source or []]
-        if unit == "sentence" and any(s.pretokenized for s in sources):
-            raise UserError("--unit sentence splits text: a pythia: source holds token ids (use --unit document)")
-        if len({s.name for s in sources}) != len(sources):
-            raise UserError("--source names must be distinct")
-        budget = parse_bytes(memory_budget, "--memory-budget") if memory_budget is not None else None
-        modules = parse_module_overrides(module)
-        ref = resolve_model(model)
-        revs = list(checkpoint or [])
-        if checkpoints:
-            revs += select_checkpoints(ref, checkpoints)
-        revs = revs or ["main"]
-        settings = Settings(unit=unit, max_length=max_length, max_tokens=max_tokens, batch_size=batch_size,
-                            batch_tokens=batch_tokens,
-                            device=device, dtype=dtype, shard=launch.shard, vector_dtype=vector_dtype,
-                            trust_remote_code=trust_remote_code, params_only=params_only,
-                            accumulator_device=accumulator_device, skip_done=skip_done, moments=moments,
-                            moments_precision=moments_precision, scatter=scatter, sequences=sequences,
-                            prompt_entropy=prompt_entropy,
-                            sample=sample, special_tokens=special_tokens, memory_budget=budget,
-                            spill_dir=str(spill_dir) if spill_dir else None, modules=modules, split_limit=split_limit)
+        job = prepare(options)
+        launch = job.launch
         start = time.perf_counter()
         tag = f"[rank {launch.rank} of {launch.world_size}] " if launch.distributed else ""
-        results = run_extract(ref, revs, sources, warehouse, settings, log=lambda m: typer.echo(tag + m, err=True))
+        results = run_extract(job.ref, job.revisions, job.sources, warehouse, job.settings, log=lambda m: typer.echo(tag + m, err=True))
         typer.echo(tag + summary_line(results, time.perf_counter() - start) +
                    f"; shard {launch.shard[0]}/{launch.shard[1]} ({launch.launcher}); warehouse: {warehouse}", err=True)
         finish(launch)  # under torchrun: every rank has committed when this returns
+    except UserError as e:
+        fail(str(e))
+
+
+def _extract_specs() -> dict:
+    """The extract command's options as a sweep file may give them: kind, default, flag spellings
+    (from the command's own signature, so the two never drift apart)."""
+    import inspect
+    import typing
+
+    from extract.sweep import OptionSpec
+
+    hints = typing.get_type_hints(extract)
+    specs = {}
+    for name, param in inspect.signature(extract).parameters.items():
+        hint, info = hints[name], param.default
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        base = args[0] if args else hint
+        kind = ("list" if typing.get_origin(base) in (list, List) else "flag" if base is bool
+                else "int" if base is int else "str")
+        decls = [d for d in info.param_decls if d.startswith("--")]
+        on, _, off = (decls[0] if decls else "--" + name.replace("_", "-")).partition("/")
+        if kind == "flag" and not decls:
+            off = "--no-" + name.replace("_", "-")
+        specs[name] = OptionSpec(kind, None if info.default is ... else info.default, on, off or None)
+    return specs
+
+
+@app.command()
+def sweep(
+    config: Path = typer.Argument(..., help="The sweep file (TOML): models, checkpoints, sources, [settings], [slurm]."),
+    plan: bool = typer.Option(False, "--plan", help="Print the units (model, checkpoint, source, shard), done or to run, and stop."),
+    commands: bool = typer.Option(False, "--commands", help="Print every unit's `cli.py extract` command (the same runs by hand) and stop."),
+    slurm: Optional[Path] = typer.Option(None, "--slurm", help="Write a Slurm job-array script whose tasks run the units still to run, and stop."),
+    task: Optional[int] = typer.Option(None, "--task", help="Run only unit N of the plan (what a Slurm array task runs)."),
+    plan_id: Optional[str] = typer.Option(None, "--plan-id", help="With --task: refuse to run unless the file still gives this plan."),
+    warehouse: Optional[str] = typer.Option(None, "--warehouse", "-w", help="Overrides the file's warehouse."),
+):
+    """Run a sweep from a file: models × checkpoints × sources (× shards), resuming where it stopped.
+
+    Each unit is the run of `cli.py extract --model M --checkpoint C --source S --shard I/N --skip-done`
+    with the file's settings: units already in the warehouse with the same data and settings are kept.
+
+    Example: python cli.py sweep sweep.toml --plan
+
+    Example (a Slurm job array of the units left): python cli.py sweep sweep.toml --slurm sweep.sbatch && sbatch sweep.sbatch
+    """
+    import datetime
+
+    from extract import sweep as sw
+    from extract.options import SOURCE_OPTIONS
+    from extract.run import summary_line
+    from extract.sources import BUILTIN
+
+    try:
+        if task is not None and (plan or commands or slurm):
+            raise UserError("--task runs one unit: it cannot go with --plan, --commands or --slurm")
+        if plan_id is not None and task is None:
+            raise UserError("--plan-id goes with --task")
+        spec = sw.read_config(config, _extract_specs(), SOURCE_OPTIONS, tuple(BUILTIN))
+        where = warehouse or spec.warehouse
+        planning = plan or commands or slurm is not None
+        p = sw.plan(spec, where, planning=planning)
+        if commands:
+            for line in sw.commands(spec, p.units, cli=str(Path(__file__).resolve()), warehouse=where):
+                typer.echo(line)
+            return
+        if plan or slurm is not None:
+            for line in sw.plan_lines(p):
+                typer.echo(line)
+        if slurm is not None:
+            todo = p.todo()
+            if not todo:
+                typer.echo("nothing to run: no script written", err=True)
+                return
+            python = spec.slurm.get("python", sys.executable)
+            text = sw.slurm_script(spec, todo, p.id, Path(__file__).resolve(), python, Path.cwd(), warehouse,
+                                   datetime.datetime.now().isoformat(timespec="seconds"), len(p.units))
+            tmp = slurm.with_name(slurm.name + ".tmp")
+            try:
+                tmp.write_text(text)
+                tmp.chmod(0o755)
+                tmp.replace(slurm)
+            except OSError as e:
+                if tmp.exists():
+                    tmp.unlink()
+                raise UserError(f"--slurm {slurm}: cannot write it ({e.strerror})") from None
+            typer.echo(f"wrote {slurm}: {len(todo)} array tasks; submit with: sbatch {slurm}", err=True)
+        if plan or slurm is not None:
+            return
+        start = time.perf_counter()
+        log = lambda m: typer.echo(m, err=True)  # noqa: E731
+        if task is None:
+            log(sw.plan_lines(p)[0])
+        results = sw.run(p, where, log=log, task=task, expect_id=plan_id)
+        log(summary_line(results, time.perf_counter() - start) + f"; warehouse: {where}")
     except UserError as e:
         fail(str(e))
 

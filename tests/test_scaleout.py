@@ -4,6 +4,7 @@ commit their own partials, and the warehouse equals the single-process one."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -125,3 +126,153 @@ def test_batching_by_tokens_gives_the_same_numbers(single, workdir, batching):
     code, _, err = run_cli("extract", *args, *batching, "--warehouse", wh)
     assert code == 0, err
     same_numbers(views(wh), single["views"])
+
+
+def test_sweep_file_equals_the_runs_by_hand(workdir, sources, model_factory):
+    """A TOML sweep (2 models, one with 2 checkpoints, 2 sources one of them split, 2 shards = 12 units):
+    its plan, a Slurm array run in part (3 tasks), the plan again, the rest run by `sweep` itself,
+    and the warehouse equal to the 12 `cli.py extract` commands it prints, run by hand."""
+    root = workdir / "models" / "sweep-file"
+    for step in ("step0", "step5"):
+        shutil.copytree(model_factory("gpt_neox", tied=True), root / step)
+    other = model_factory("llama")
+    wh, by_hand = workdir / "sweep-file-wh", workdir / "sweep-file-by-hand"
+    config = workdir / "sweep.toml"
+    text = f'''
+warehouse = "{wh}"
+models = [{{ model = "{root}", checkpoints = "all" }}, "{other}"]
+shards = 2
+
+[sources]
+alpha = "{sources['alpha']}"
+beta = {{ source = "{sources['beta']}", split-by = "meta.pile_set_name" }}
+
+[settings]
+max_length = 32
+batch-size = 2
+moments = true
+count-special-tokens = false
+
+[slurm]
+sbatch = ["--time=1:00:00"]
+parallel = 2
+python = "{sys.executable}"
+'''
+    config.write_text(text)
+
+    def plan():
+        code, out, err = run_cli("sweep", config, "--plan")
+        assert code == 0, err
+        return out.splitlines()
+
+    lines = plan()
+    assert "12 units (3 model checkpoint(s) × 2 source(s) × 2 shard(s)): 0 done, 12 to run" in lines[0]
+    assert lines[1].split() == ["0", "to", "run", "sweep-file@step0", "alpha", "shard", "1/2"]
+    assert lines[12].split()[3:] == ["llama-untied@main", "beta", "shard", "2/2"]
+    script = workdir / "sweep.sbatch"
+    code, out, err = run_cli("sweep", config, "--slurm", script)
+    assert code == 0 and f"sbatch {script}" in err, err
+    body = script.read_text()
+    assert "#SBATCH --array=0-11%2\n" in body and "#SBATCH --time=1:00:00\n" in body
+
+    def task(t, path=script):  # one array task as Slurm starts it
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "SLURM_ARRAY_TASK_ID": str(t)}
+        return subprocess.Popen(["bash", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, cwd=workdir)
+
+    procs = {t: task(t) for t in (0, 6, 9)}  # 3 of the 12 tasks ran, then the job was cancelled
+    for t, p in procs.items():
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        assert f"unit {t}: " in err
+    lines = plan()
+    assert ": 3 done, 9 to run" in lines[0]
+    assert [line.split()[0] for line in lines[1:] if " done " in line] == ["0", "6", "9"]
+    code, _, err = run_cli("sweep", config, "--slurm", script)  # written again: only what is left
+    assert code == 0, err
+    assert "#SBATCH --array=1-5,7-8,10-11%2\n" in script.read_text()
+
+    code, _, err = run_cli("sweep", config)  # the rest, in this process
+    assert code == 0, err
+    assert ": 3 done, 9 to run" in err and "sweep-file@step0 alpha" in err
+    assert ": 12 done, 0 to run" in plan()[0]
+    code, _, err = run_cli("sweep", config)  # nothing left: nothing runs
+    assert code == 0 and "done: 0 tokens" in err, err
+    code, _, err = run_cli("sweep", config, "--slurm", workdir / "none.sbatch")
+    assert code == 0 and "nothing to run" in err and not (workdir / "none.sbatch").exists()
+
+    code, out, err = run_cli("sweep", config, "--commands", "--warehouse", by_hand)
+    assert code == 0, err
+    commands = out.splitlines()
+    assert len(commands) == 12
+    assert commands[2].endswith(f"--source beta={sources['beta']} --shard 1/2 --warehouse {by_hand} --skip-done "
+                                "--max-length 32 --batch-size 2 --moments --no-count-special-tokens "
+                                "--split-by meta.pile_set_name")
+    for line in commands:  # the same runs by hand
+        args = shlex.split(line)
+        assert args[:3] == ["python", str(ROOT / "cli.py"), "extract"]
+        code, _, err = run_cli(*args[2:])
+        assert code == 0, err
+    got, want = views(wh), views(by_hand)
+    assert got["shards"] == want["shards"] and len(got["shards"]) == 3 * 2 * 2  # beta's one value: beta.Beta
+    assert {s for _, s, _ in got["shards"]} == {"alpha", "beta.Beta"}
+    same_numbers(got, want)  # commit order differs: float32-stored vectors of split tokens merge to ~1e-8
+
+    config.write_text(text.replace("max_length = 32", "max_length = 24"))  # the file changed after --slurm
+    p = task(1)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 2 and "no longer gives the plan the Slurm script was written for" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_sweep_of_parameter_tables_only(workdir, model_factory):
+    root = workdir / "models" / "sweep-params"
+    for step in ("step0", "step5", "step9"):
+        shutil.copytree(model_factory("gpt_neox", tied=True), root / step)
+    config = workdir / "sweep-params.toml"
+    config.write_text(f'warehouse = "{workdir / "sweep-params-wh"}"\nmodels = ["{root}"]\ncheckpoints = 2\n'
+                      "[settings]\nparams_only = true\n")
+    code, out, err = run_cli("sweep", config, "--plan")
+    assert code == 0, err
+    assert "2 units (2 model checkpoint(s), parameters only × 1 shard(s)): 0 done, 2 to run" in out
+    assert "sweep-params@step0 (parameters)" in out and "sweep-params@step9 (parameters)" in out
+    assert run_cli("sweep", config)[0] == 0
+    assert ": 2 done, 0 to run" in run_cli("sweep", config, "--plan")[1]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("models = [", "not valid TOML"),
+    ('modles = ["m"]', "modles: unknown key"),
+    ('sources = {a = "x.txt"}', "models: expected a list of models"),
+    ('models = [3]\n[sources]\na = "x.txt"', "models[0]: expected a model name"),
+    ('models = [{ model = "MODEL", checkpoint = "step0" }]\n[sources]\na = "x.txt"', "unknown key 'checkpoint'"),
+    ('models = ["MODEL", "MODEL"]\n[sources]\na = "SRC"', "a model is named twice"),
+    ('models = ["MODEL"]', "sources: name at least one source"),
+    ('models = ["MODEL"]\ncheckpoints = 0\n[sources]\na = "SRC"', "checkpoints: a count must be at least 1"),
+    ('models = ["MODEL"]\nshards = "2"\n[sources]\na = "SRC"', "shards: expected a positive integer"),
+    ('models = ["MODEL"]\n[sources]\na = 3', "sources.a: expected \"PATH\""),
+    ('models = ["MODEL"]\n[sources]\na = { source = "SRC", unit = "sentence" }', "sources.a.unit: not a source option"),
+    ('models = ["MODEL"]\n[sources]\na = "SRC"\n[settings]\nunits = "sentence"', "settings.units: not an option"),
+    ('models = ["MODEL"]\n[sources]\na = "SRC"\n[settings]\nmax_length = "32"', "settings.max_length: expected an integer"),
+    ('models = ["MODEL"]\n[sources]\na = "SRC"\n[settings]\nmoments = 1', "settings.moments: expected true or false"),
+    ('models = ["MODEL"]\n[sources]\na = "SRC"\n[settings]\ncheckpoint = "step0"', "given by the sweep's checkpoints"),
+    ('models = ["MODEL"]\n[sources]\na = "SRC"\n[settings]\nunit = "word"', "--unit 'word': expected document or sentence"),
+    ('models = ["MODEL"]\n[sources]\na = "SRC"\n[slurm]\nparallel = 0', "slurm.parallel: expected a positive integer"),
+    ('models = ["MODEL"]\n[sources]\na = "/no/such.jsonl"', "/no/such.jsonl"),
+    ('models = ["nosuchmodel"]\n[sources]\na = "SRC"', "unknown model 'nosuchmodel'"),
+])
+def test_bad_sweep_files_are_refused_in_one_line(workdir, sources, model_factory, text, message):
+    config = workdir / "bad-sweep.toml"
+    config.write_text(text.replace("MODEL", str(model_factory("gpt_neox", tied=True)))
+                      .replace("SRC", str(sources["alpha"])))
+    code, out, err = run_cli("sweep", config, "--plan", "--warehouse", workdir / "bad-sweep-wh")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (workdir / "bad-sweep-wh").exists()
+
+
+def test_sweep_command_line_mistakes(workdir):
+    assert "no such sweep file" in run_cli("sweep", workdir / "missing.toml")[2]
+    code, _, err = run_cli("sweep", workdir / "missing.toml", "--task", "1", "--plan")
+    assert code == 2 and "--task runs one unit" in err
+    code, _, err = run_cli("sweep", workdir / "missing.toml", "--plan-id", "abc")
+    assert code == 2 and "--plan-id goes with --task" in err
