@@ -8,6 +8,7 @@ also name a sub-directory (`DIR/step100`, as `cli.py train` writes them).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -110,6 +111,7 @@ class Loaded:
     context: int
     prefix: tuple[int, ...] = ()  # special tokens the tokenizer puts before a text (BOS, [CLS])
     suffix: tuple[int, ...] = ()  # and after it ([SEP], </s>)
+    weights_id: str | None = None  # which weights: the hub commit, or a local directory's files (see weights_id)
 
     @property
     def d(self) -> int:
@@ -187,6 +189,20 @@ def special_template(tok) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(full[:i]), tuple(full[j:])
 
 
+def weights_id(where: str, revision_hash: str | None, local: bool) -> str | None:
+    """What identifies the loaded weights: the hub commit; for a local directory the names, sizes and
+    modification times of its weight and config files (a rewritten file changes it); else None."""
+    if not local:
+        return f"commit {revision_hash}" if revision_hash else None
+    h = hashlib.blake2b(digest_size=16)
+    files = sorted(f for f in Path(where).iterdir() if f.is_file() and (f.suffix in (".safetensors", ".bin", ".pt")
+                                                                      or f.name.endswith(".json")))
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return f"{Path(where).resolve()} {h.hexdigest()}"
+
+
 def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
          trust_remote_code: bool = False, modules: dict | None = None) -> Loaded:
     """Load tokenizer and weights as a user's model is loaded: safetensors preferred, no remote code.
@@ -245,6 +261,7 @@ def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
         ref=ref, checkpoint=checkpoint, step=parse_step(checkpoint), layout=layout, model=model,
         tokenizer=tokenizer, missing_keys=missing,
         revision_hash=getattr(config, "_commit_hash", None), context=context, prefix=prefix, suffix=suffix,
+        weights_id=weights_id(where, getattr(config, "_commit_hash", None), ref.local),
     )
 
 

@@ -9,6 +9,7 @@ atomic step.  Nothing of a checkpoint is visible until all of its sources have f
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.metadata
 import platform
 import subprocess
@@ -30,6 +31,7 @@ from warehouse.storage import open_storage
 
 from .accumulate import PRECISIONS, Moments, Sample, TokenSums
 from .sequences import WindowMeasures
+from . import architectures as architectures_module, params as params_module
 from .architectures import get_module
 from .hooks import capture_layers, layer_kinds
 from .models import DTYPES, Loaded, ModelRef, check_dtype, forward_kwargs, load, to_compute
@@ -606,6 +608,30 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
         raise
 
 
+def _params_code() -> str:
+    """What the parameter tables' numbers depend on besides the weights: their code and torch."""
+    h = hashlib.blake2b(digest_size=8)
+    for module in (params_module, architectures_module):
+        h.update(Path(module.__file__).read_bytes())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()
+
+
+PARAMS_CODE = _params_code()
+
+
+def params_kept(manifest: dict, loaded: Loaded, prov: dict) -> bool:
+    """Whether the warehouse already holds this checkpoint's parameter tables computed from the same
+    weights (hub commit, or a local directory's files by name, size and mtime), the same layout and the
+    same code: then they are kept, not computed again (each source, shard, rank or sweep unit of a
+    checkpoint would otherwise recompute them: 3·V·d² float64 multiply-adds per matrix)."""
+    entry = manifest["entries"].get(store.entry_key("params", loaded.ref.name, loaded.checkpoint))
+    if entry is None or loaded.weights_id is None:
+        return False
+    old = entry.get("provenance", {})
+    return all(old.get(k) == prov[k] for k in ("weights", "params_code", "layout", "model_location", "model_revision"))
+
+
 def write_params(root, loaded: Loaded, run_id: str) -> dict[str, str]:
     values = {"model": loaded.ref.name, "checkpoint": loaded.checkpoint}
     key = {**values, "step": loaded.step}
@@ -705,6 +731,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         store.check_compatible(store.read_manifest(root), ref.name, d)
         run_id = store.new_run_id()
         prov = {**base_prov, "model_revision": loaded.revision_hash or checkpoint,
+                "weights": loaded.weights_id, "params_code": PARAMS_CODE,
                 "layout": loaded.layout.describe(),
                 "special_tokens": {"prefix": list(loaded.prefix), "suffix": list(loaded.suffix),
                                    "counted": settings.special_tokens},
@@ -714,11 +741,14 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         done_here = 0  # results of this checkpoint (a split source gives one per value)
         try:
             t = time.perf_counter()
-            params_files = write_params(root, loaded, run_id)
-            spent["parameter tables"] = time.perf_counter() - t
-            written += params_files.values()
+            if params_kept(store.read_manifest(root), loaded, prov):
+                spent["parameter tables (kept)"] = 0.0
+            else:
+                params_files = write_params(root, loaded, run_id)
+                spent["parameter tables"] = time.perf_counter() - t
+                written += params_files.values()
+                entries = [_entry("params", loaded, run_id, params_files, settings, d, prov=prov)]
             to_compute(loaded, dtype, settings.device)
-            entries = [_entry("params", loaded, run_id, params_files, settings, d, prov=prov)]
             for source in ([] if settings.params_only else todo):
                 if source.split_by is None:
                     result = SourceResult(source.name)
@@ -755,7 +785,8 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                         log(f"warning: {sub.name}: {result.nonfinite} NaN/inf activations counted and excluded")
                 done_here += len(parts)
             t = time.perf_counter()
-            merge.commit(root, entries)  # the partials and their merged tables, in one manifest write
+            if entries:  # nothing when the parameter tables were kept and no source was left
+                merge.commit(root, entries)  # the partials and their merged tables, in one manifest write
             spent["commit"] = time.perf_counter() - t
         except BaseException:
             committed = merge.committed_files(root, entries)

@@ -721,3 +721,47 @@ def test_background_queue_is_bounded_in_bytes():
     w.submit(lambda: None, nbytes=10 * rows)  # larger than the cap: runs alone, never deadlocks
     w.wait()
     bg.close()
+
+
+def test_parameter_tables_are_kept_for_the_same_weights(workdir, sources, model_factory):
+    """A second extract of a checkpoint (another source, shard, rank or sweep unit) keeps the parameter
+    tables already in the warehouse when they come from the same weights, layout and code; rewritten
+    weights or another layout compute them again.  The tables are the same either way."""
+    import os
+    import shutil
+
+    model = workdir / "models" / "kept-params"
+    shutil.copytree(model_factory("gpt_neox", tied=False), model)
+    wh = workdir / "kept-params-wh"
+
+    def extract(*args):
+        code, _, err = run_cli("extract", "--model", model, "--warehouse", wh, "--max-tokens", 60, *args)
+        assert code == 0, err
+        return err
+
+    def tables():
+        con = connect(wh)
+        runs = con.execute("SELECT run_id FROM runs WHERE kind = 'params'").fetchall()
+        rows = {t: sorted(con.execute(f"SELECT * FROM {t}").fetchall())
+                for t in ("partition_fn", "norm_params", "isotropy")}
+        con.close()
+        return runs, rows
+
+    err = extract("--source", f"alpha={sources['alpha']}")
+    assert "parameter tables (kept)" not in err
+    first = tables()
+    err = extract("--source", f"beta={sources['beta']}")
+    assert "parameter tables (kept)" in err
+    assert tables() == first  # the same entry (run id) and numbers
+    assert len(connect(wh).execute("SELECT * FROM runs WHERE kind = 'data'").fetchall()) == 2
+    err = extract("--params-only")  # nothing left to do: nothing committed
+    assert "parameter tables (kept)" in err and tables() == first
+    weights = next(model.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # rewritten weights
+    err = extract("--source", f"beta={sources['beta']}")
+    assert "parameter tables (kept)" not in err
+    again = tables()
+    assert again[0] != first[0] and again[1] == first[1]  # a new entry, the same numbers
+    assert "parameter tables (kept)" in extract("--source", f"alpha={sources['alpha']}")
+    err = extract("--source", f"beta={sources['beta']}", "--module", "final_norm=none")  # another layout
+    assert "parameter tables (kept)" not in err
