@@ -157,6 +157,8 @@ def sweep(
         where = warehouse or spec.warehouse
         planning = plan or commands or slurm is not None
         p = sw.plan(spec, where, planning=planning)
+        if task is None and not commands:  # a task runs one unit: extract's --skip-done judges it
+            p.mark_done()
         if commands:
             for line in sw.commands(spec, p.units, cli=str(Path(__file__).resolve()), warehouse=where):
                 typer.echo(line)
@@ -188,7 +190,7 @@ def sweep(
         log = lambda m: typer.echo(m, err=True)  # noqa: E731
         if task is None:
             log(sw.plan_lines(p)[0])
-        results = sw.run(p, where, log=log, task=task, expect_id=plan_id)
+        results = sw.run(p, log=log, task=task, expect_id=plan_id)
         log(summary_line(results, time.perf_counter() - start) + f"; warehouse: {where}")
     except UserError as e:
         fail(str(e))

@@ -359,17 +359,28 @@ def new_accumulator(loaded: Loaded, settings: Settings, budget: int) -> TokenSum
         raise
 
 
-def _forward(loaded: Loaded, acc: TokenSums, batch, salt: int, settings: Settings, result: SourceResult) -> int:
-    """One batch through the base model, its layers folded into `acc` by the hooks."""
+def base_forward(loaded: Loaded, settings: Settings):
+    """The base model's forward on the device, looked up once per source (not per batch)."""
+    base = get_module(loaded.model, loaded.layout.base)
+    kwargs = forward_kwargs(loaded.layout.head)
+    device = settings.device
+
+    def run(input_ids: torch.Tensor, mask: torch.Tensor) -> None:  # (B, T) each, on the host
+        base(input_ids=input_ids.to(device, non_blocking=True), attention_mask=mask.to(device, non_blocking=True),
+             **kwargs)
+
+    return run
+
+
+def _forward(run, acc: TokenSums, batch, salt: int, result: SourceResult) -> int:
+    """One batch through the base model (`run`: `base_forward`), its layers folded into `acc` by the hooks."""
     input_ids, mask, counted, where = batch
     n = acc.set_batch(input_ids, counted, where)
     if acc.sample is not None:
         w = where[counted]  # (M, 2): document, position
         keys = torch.from_numpy(position_keys(salt, w[:, 0].numpy(), w[:, 1].numpy()))
         acc.sample.set_batch(keys, torch.cat([w, input_ids[counted][:, None]], 1))
-    get_module(loaded.model, loaded.layout.base)(
-        input_ids=input_ids.to(settings.device, non_blocking=True),
-        attention_mask=mask.to(settings.device, non_blocking=True), **forward_kwargs(loaded.layout.head))
+    run(input_ids, mask)
     faults.hit("forward")
     result.tokens += n
     result.windows += input_ids.shape[0]
@@ -400,6 +411,7 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
         splitter = SentenceSplitter() if settings.unit == "sentence" else None
         texts = indexed_documents(source, settings.shard, stats)
         bar = _bar(loaded, source.name, settings)
+        forward = base_forward(loaded, settings)
         start = time.perf_counter()
         with torch.inference_mode(), capture_layers(loaded.model, loaded.layout, acc.add):
             specials = not source.pretokenized  # training rows are fed as the model saw them
@@ -407,7 +419,7 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
                 loaded, windows(loaded, texts, settings, result, splitter, specials), *batch_limits(loaded, settings),
                 settings.special_tokens, specials
             ):
-                bar.update(_forward(loaded, acc, batch, salt, settings, result))
+                bar.update(_forward(forward, acc, batch, salt, result))
         bar.close()
         result.seconds = time.perf_counter() - start
         result.documents = stats.documents
@@ -472,9 +484,10 @@ def accumulate_split(loaded: Loaded, source: Source, settings: Settings) -> list
     def run(part: SplitPart, batch) -> None:
         current[0] = part.acc
         t = time.perf_counter()
-        bar.update(_forward(loaded, part.acc, batch, part.salt, settings, part.result))
+        bar.update(_forward(forward, part.acc, batch, part.salt, part.result))
         part.result.seconds += time.perf_counter() - t
 
+    forward = base_forward(loaded, settings)
     bar = _bar(loaded, f"{source.name} (split by {source.split_by})", settings)
     try:
         with torch.inference_mode(), capture_layers(loaded.model, loaded.layout, add):
@@ -702,13 +715,15 @@ def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settin
 
 
 def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
-            settings: Settings, log=print) -> list[SourceResult]:
+            settings: Settings, log=print, prints: dict[str, str] | None = None) -> list[SourceResult]:
+    """Every checkpoint over every source, one commit per checkpoint.  `prints`: the sources' data
+    fingerprints where the caller has them already (a sweep's plan), so no file is hashed twice."""
     root = open_storage(root)  # a directory or s3://bucket/prefix; S3 is probed here, before any model loads
     limit_malloc_arenas()
     dtype = DTYPES[settings.dtype]
     check_dtype(dtype, settings.device)
     store.read_manifest(root)  # fails early on a warehouse of another schema version
-    prints = {s.name: fingerprint(s) for s in sources}
+    prints = {s.name: (prints or {}).get(s.name) or fingerprint(s) for s in sources}
     results: list[SourceResult] = []
     base_prov = {"git_hash": git_hash(), "packages": package_versions(), "model_location": ref.location}
     for checkpoint in checkpoints:
@@ -728,7 +743,8 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         if settings.max_length is not None and settings.max_length > loaded.context:
             raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
         d = loaded.d
-        store.check_compatible(store.read_manifest(root), ref.name, d)
+        manifest = store.read_manifest(root)
+        store.check_compatible(manifest, ref.name, d)
         run_id = store.new_run_id()
         prov = {**base_prov, "model_revision": loaded.revision_hash or checkpoint,
                 "weights": loaded.weights_id, "params_code": PARAMS_CODE,
@@ -741,7 +757,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         done_here = 0  # results of this checkpoint (a split source gives one per value)
         try:
             t = time.perf_counter()
-            if params_kept(store.read_manifest(root), loaded, prov):
+            if params_kept(manifest, loaded, prov):
                 spent["parameter tables (kept)"] = 0.0
             else:
                 params_files = write_params(root, loaded, run_id)

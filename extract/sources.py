@@ -203,7 +203,7 @@ def split_name(prefix: str, value: str) -> str:
     cannot hold (spaces, parentheses, slashes, …) turned into one '_', leading and trailing '.', '_'
     and '-' dropped (`blank` when nothing is left), cut to 64 characters.  The same value always gets
     the same name (shards and machines agree); two values of one read that get the same name stop
-    the run (`Splitter`).  The value itself is in each run's settings (`split_value`)."""
+    the run (`accumulate_split`).  The value itself is in each run's settings (`split_value`)."""
     slug = SLUG_RE.sub("_", value).strip("._-") or "blank"
     return f"{prefix}.{slug}"[:64].rstrip("._-")
 
@@ -224,12 +224,11 @@ def _parquet_columns(path: Path) -> list[str]:
 
 
 def _parse_source(spec: str, encoding_errors: str = "strict", split: str = "train", text_column: str = "text",
-                  steps: str | None = None, rows_per_step: int = 1024, seq_length: int = 2049,
-                  pile_set: str | None = None) -> Source:
+                  steps: str | None = None, rows_per_step: int = 1024, seq_length: int = 2049) -> Source:
     if encoding_errors not in ("strict", "replace", "skip"):
         raise UserError(f"--encoding-errors {encoding_errors!r}: expected strict, replace or skip")
     if spec in BUILTIN:
-        return Source(spec, None, pile_set)
+        return Source(spec, None)
     if "=" not in spec:
         raise UserError(f"--source {spec!r}: expected NAME=PATH or a built-in source ({', '.join(BUILTIN)})")
     name, path = spec.split("=", 1)
@@ -243,9 +242,9 @@ def _parse_source(spec: str, encoding_errors: str = "strict", split: str = "trai
             raise UserError("--rows-per-step must be ≥ 1 and --seq-length ≥ 2")
         batches = PythiaBatches(path[len("pythia:"):], parse_steps(steps), rows_per_step, seq_length)
         open_batches(batches, f"--source {name}")  # a bad header or step range fails here
-        return Source(name, None, pile_set, encoding_errors, pythia=batches)
+        return Source(name, None, None, encoding_errors, pythia=batches)
     if path.startswith("hf:"):
-        src = Source(name, None, pile_set, encoding_errors, parse_hf(name, path[3:], split, text_column))
+        src = Source(name, None, None, encoding_errors, parse_hf(name, path[3:], split, text_column))
         _hf_open(src)  # a wrong id, split or column fails here, before any model is loaded
         return src
     p = Path(path).expanduser()
@@ -258,7 +257,7 @@ def _parse_source(spec: str, encoding_errors: str = "strict", split: str = "trai
         raise UserError(f"--source {name}: {path}: cannot read ({e.strerror})") from None
     if not str(p).endswith(FORMATS):
         raise UserError(f"--source {name}: {path}: unsupported format (use {', '.join(FORMATS)})")
-    return Source(name, p, pile_set, encoding_errors)
+    return Source(name, p, None, encoding_errors)
 
 
 def fingerprint(source: Source) -> str:
@@ -389,6 +388,17 @@ def _hf_open(source: Source):
         raise UserError(f"{where}: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
 
 
+def _row_document(source: Source, row: dict, text, split: str | None, stats: ReadStats):
+    """A row with fields (a JSON line, a Parquet or dataset row) as `_raw_documents` yields it: None
+    (with a split, (None, None)) when --pile-set drops it, so it keeps its document index; else its
+    text ("" when not a string), with a split paired with the row's value of the field."""
+    if source.pile_set is not None and field_value(row, PILE_FIELD) != source.pile_set:
+        stats.filtered += 1
+        return None if split is None else (None, None)
+    text = text if isinstance(text, str) else ""
+    return text if split is None else (text, field_value(row, split))
+
+
 def _raw_documents(source: Source, stats: ReadStats, split: str | None = None) -> Iterator:
     """Each document's text — or, for a pre-tokenised source, its token ids (int64); None for a
     document --pile-set drops (it keeps its index).  With `split` (a field), (text or None, the
@@ -401,13 +411,7 @@ def _raw_documents(source: Source, stats: ReadStats, split: str | None = None) -
         for row in _hf_rows(source):
             if col not in row:
                 raise UserError(f"--source {source.name}: a row has no column {col!r} (columns: {', '.join(row)})")
-            if source.pile_set is not None and (row.get("meta") or {}).get("pile_set_name") != source.pile_set:
-                stats.filtered += 1
-                yield None if split is None else (None, None)  # keeps the document index stable for sharding
-                continue
-            text = row[col]
-            text = text if isinstance(text, str) else ""
-            yield text if split is None else (text, field_value(row, split))
+            yield _row_document(source, row, row[col], split, stats)
         return
     if source.builtin:
         yield from BUILTIN[source.name]()
@@ -430,13 +434,7 @@ def _raw_documents(source: Source, stats: ReadStats, split: str | None = None) -
             for batch in pf.iter_batches(columns=columns):
                 if fields:  # rows as dicts: nested (struct) fields by their dotted paths
                     for row in batch.to_pylist():
-                        text = row["text"]
-                        text = text if isinstance(text, str) else ""
-                        if source.pile_set is not None and field_value(row, PILE_FIELD) != source.pile_set:
-                            stats.filtered += 1
-                            yield None if split is None else (None, None)  # keeps the document index
-                            continue
-                        yield text if split is None else (text, field_value(row, split))
+                        yield _row_document(source, row, row["text"], split, stats)
                     continue
                 for text in batch.column(0).to_pylist():
                     yield text if isinstance(text, str) else ""
@@ -461,14 +459,7 @@ def _raw_documents(source: Source, stats: ReadStats, split: str | None = None) -
             raise UserError(f"{path}:{lineno}: malformed JSON line ({str(e)[:200]})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise UserError(f"{path}:{lineno}: JSON line has no string field 'text'")
-        if source.pile_set is not None:
-            meta = obj.get("meta")
-            set_name = meta.get("pile_set_name") if isinstance(meta, dict) else None
-            if set_name != source.pile_set:
-                stats.filtered += 1
-                yield None if split is None else (None, None)  # keeps the document index stable for sharding
-                continue
-        yield obj["text"] if split is None else (obj["text"], field_value(obj, split))
+        yield _row_document(source, obj, obj["text"], split, stats)
 
 
 def indexed_documents(source: Source, shard: tuple[int, int], stats: ReadStats) -> Iterator[tuple[int, str]]:

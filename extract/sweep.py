@@ -359,38 +359,58 @@ def groups(plan: list[Unit]) -> list[tuple[str, tuple[int, int], list[str], list
 
 
 def shard_settings(settings, shard: tuple[int, int]):
-    return replace(settings, shard=shard, skip_done=True)
+    return replace(settings, shard=shard)
 
 
 @dataclass
 class Planned:
-    """A sweep resolved against its models, sources and warehouse."""
+    """A sweep resolved against its models, sources and warehouse.  `done` is filled by `mark_done`
+    (a Slurm task, which runs one unit, does not need it: extract's --skip-done decides there)."""
 
     sweep: Sweep
     units: list[Unit]
     refs: dict  # model as named → ModelRef
     sources: dict  # source name → Source
     settings: object  # extract.run.Settings (shard 1/1; each unit runs with its own)
-    done: list[bool]
+    warehouse: str
     id: str
+    done: list[bool] = field(default_factory=list)
+    prints: dict = field(default_factory=dict)  # source name → data fingerprint, once each
+
+    def mark_done(self) -> None:
+        """Mark every unit done or to run with the test --skip-done applies (one manifest read, each
+        source fingerprinted once; extract reuses the fingerprints)."""
+        from extract.run import _done
+        from extract.sources import fingerprint
+        from warehouse import store
+        from warehouse.storage import open_storage
+
+        manifest = store.read_manifest(open_storage(self.warehouse))
+        self.done = []
+        for u in self.units:
+            ref = self.refs[u.model]
+            if u.source is None:
+                self.done.append(store.entry_key("params", ref.name, u.checkpoint) in manifest["entries"])
+                continue
+            src = self.sources[u.source]
+            if u.source not in self.prints:
+                self.prints[u.source] = fingerprint(src)
+            self.done.append(_done(manifest, ref, u.checkpoint, src, shard_settings(self.settings, u.shard),
+                                   self.prints[u.source]))
 
     def todo(self) -> list[int]:
         return [u.index for u in self.units if not self.done[u.index]]
 
 
 def plan(sweep: Sweep, warehouse: str, planning: bool = False) -> Planned:
-    """Resolve models, checkpoints and sources with the checks of `cli.py extract`, and mark every unit
-    done or to run with the test --skip-done applies.  `planning`: only planning here (--plan, --slurm),
-    so a `device = "cuda"` setting is taken as given on a machine without a GPU (a login node)."""
+    """Resolve models, checkpoints and sources with the checks of `cli.py extract`.  `planning`: only
+    planning here (--plan, --slurm), so a `device = "cuda"` setting is taken as given on a machine
+    without a GPU (a login node)."""
     import torch
 
     from extract.launch import Launch
     from extract.options import check_sources, make_settings, make_source, revisions
     from extract.models import resolve_model
-    from extract.run import _done
-    from extract.sources import fingerprint
-    from warehouse import store
-    from warehouse.storage import open_storage
 
     o = sweep.options()
     cuda = torch.cuda.is_available() or (planning and str(o.get("device") or "").startswith("cuda"))
@@ -405,19 +425,7 @@ def plan(sweep: Sweep, warehouse: str, planning: bool = False) -> Planned:
         return revisions(refs[model], None, None if spec is None else str(spec))
 
     all_units = units(sweep, revs)
-    manifest = store.read_manifest(open_storage(warehouse))
-    prints: dict = {}
-    done = []
-    for u in all_units:
-        ref = refs[u.model]
-        if u.source is None:
-            done.append(store.entry_key("params", ref.name, u.checkpoint) in manifest["entries"])
-            continue
-        src = sources[u.source]
-        if u.source not in prints:
-            prints[u.source] = fingerprint(src)
-        done.append(_done(manifest, ref, u.checkpoint, src, shard_settings(settings, u.shard), prints[u.source]))
-    return Planned(sweep, all_units, refs, sources, settings, done, plan_id(sweep, all_units))
+    return Planned(sweep, all_units, refs, sources, settings, warehouse, plan_id(sweep, all_units))
 
 
 def plan_lines(p: Planned) -> list[str]:
@@ -434,7 +442,7 @@ def plan_lines(p: Planned) -> list[str]:
     return lines
 
 
-def run(p: Planned, warehouse: str, log=print, task: int | None = None, expect_id: str | None = None):
+def run(p: Planned, log=print, task: int | None = None, expect_id: str | None = None):
     """Run the units still to run (all of them, or unit `task` of a Slurm array); returns the results."""
     from extract.run import extract as run_extract
 
@@ -444,12 +452,15 @@ def run(p: Planned, warehouse: str, log=print, task: int | None = None, expect_i
     results = []
     if task is not None:
         u = for_task(p.units, task)
-        log(f"unit {u.index}: {u.label()}" + (" (already done)" if p.done[u.index] else ""))
+        log(f"unit {u.index}: {u.label()}")
         srcs = [p.sources[u.source]] if u.source is not None else []
-        return run_extract(p.refs[u.model], [u.checkpoint], srcs, warehouse, shard_settings(p.settings, u.shard),
+        return run_extract(p.refs[u.model], [u.checkpoint], srcs, p.warehouse, shard_settings(p.settings, u.shard),
                            log=log)
+    if not p.done:
+        p.mark_done()
     pending = [p.units[i] for i in p.todo()]
     for model, shard, checkpoints, names in groups(pending):
         srcs = [p.sources[n] for n in names if n is not None]
-        results += run_extract(p.refs[model], checkpoints, srcs, warehouse, shard_settings(p.settings, shard), log=log)
+        results += run_extract(p.refs[model], checkpoints, srcs, p.warehouse, shard_settings(p.settings, shard),
+                               log=log, prints=p.prints)
     return results
