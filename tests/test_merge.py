@@ -127,6 +127,38 @@ def test_merged_equals_pairwise(tmp_path, small_chunks, layout):
     assert sum(e["kind"] == "merged" for e in manifest["entries"].values()) == sources + 1
     check_against(root, oracle(root, entries))
     assert validate(root) == []
+    for e in manifest["entries"].values():  # the token state is kept only where it is not one partial's
+        if e["kind"] == "merged":
+            assert ("token_vectors" in e["files"]) == (e["stats"]["partials"] > 1), e["key"]
+
+
+def test_a_group_of_one_partial_folds_from_that_partial(tmp_path, small_chunks):
+    """A first commit writes no token_vectors (the group's state is its partial's token_sums); a re-run
+    of that one partial replaces it; the next shard's fold starts from the partial and gives the
+    merged Σû exactly (float64 s₁ + s₂) and the pairwise ‖Σû‖²."""
+    rng = np.random.default_rng(11)
+    root = tmp_path / "wh"
+    first = _partial(root, rng, "s0", "1-of-2")
+    merge.commit(root, [first])
+    merged = [e for e in store.read_manifest(root)["entries"].values() if e["kind"] == "merged"]
+    assert len(merged) == 2 and not any("token_vectors" in e["files"] for e in merged)
+    assert not list((root / "tables" / "token_vectors").rglob("*.parquet"))
+    check_against(root, oracle(root, [first]))
+    first = _partial(root, rng, "s0", "1-of-2")  # a re-run of the same key: replaced, not added
+    merge.commit(root, [first])
+    check_against(root, oracle(root, [first]))
+    second = _partial(root, rng, "s0", "2-of-2")
+    merge.commit(root, [second])
+    want = oracle(root, [first, second])
+    check_against(root, want)
+    con = connect(root)
+    for group in ("s0", "all"):
+        rows = con.execute("SELECT layer, token_id, vec FROM token_vectors WHERE source = ?", [group]).fetchall()
+        assert len(rows) == len(want[group]["vecs"])
+        for layer, token, vec in rows:
+            assert np.array_equal(np.asarray(vec), want[group]["vecs"][(layer, token)]), (group, layer, token)
+    con.close()
+    assert validate(root) == []
 
 
 def test_replacing_a_partial_never_double_counts(tmp_path, small_chunks):

@@ -25,7 +25,8 @@ re-merged from their partials (a bottom-k sample cannot be un-merged; a replacem
 moments then cost one read of the group's partials' d×d tables).
 
 Storage per group: token_stats ~12–20 B per (layer, token type) compressed; token_vectors 8·d B per
-(layer, token type) and moments_merged 16·d² B per layer until `compact` drops them.
+(layer, token type), written only for a group of two or more partials (one partial's state is its
+own token_sums), and moments_merged 16·d² B per layer, until `compact` drops them.
 """
 
 from __future__ import annotations
@@ -199,9 +200,10 @@ class _TypeStats:
 
 
 def _fold_tokens(st: Storage, key: dict, old: dict | None, adds: list[dict], removes: list[dict], d: int,
-                 writers: dict) -> _TypeStats:
+                 writers: dict, keep_state: bool = True) -> _TypeStats:
     """Stream the group's merged token state, the partials to remove and the partials to add, chunk
-    by chunk of token ids, into new token_stats / token_vectors files; returns the type statistics."""
+    by chunk of token ids, into new token_stats (and, with keep_state, token_vectors) files; returns
+    the type statistics."""
     chunk_rows = max(64, CHUNK_BYTES // (8 * d))
     streams: list[_Sorted] = []
     try:
@@ -264,8 +266,9 @@ def _fold_tokens(st: Storage, key: dict, old: dict | None, adds: list[dict], rem
             if not len(ids):
                 continue
             lay = np.full(len(ids), layer, np.int16)
-            writers["token_vectors"].write({k: [v] * len(ids) for k, v in key.items()} | {
-                "layer": lay, "token_id": ids.astype(np.int32), "vec": store.list_array(S)})
+            if keep_state:
+                writers["token_vectors"].write({k: [v] * len(ids) for k, v in key.items()} | {
+                    "layer": lay, "token_id": ids.astype(np.int32), "vec": store.list_array(S)})
             for k, v in (("layer", lay), ("token_id", ids.astype(np.int32)), ("n", n), ("sum_sq", sq)):
                 pending[k].append(v)
             pending_rows += len(ids)
@@ -506,7 +509,15 @@ def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, 
     key = {"model": model, "checkpoint": checkpoint, "step": step, "source": group}
     out = _Writers(open_storage(dest) if dest is not None else st, key, store.new_run_id())
     try:
-        types = _fold_tokens(st, key, old, adds, removes, d, out)
+        # The token state (token_vectors, 8·d bytes per layer and type) is kept only for a group of two
+        # or more partials: a group of one partial's state is that partial's token_sums (the same Σû,
+        # exactly: folding starts from zeros), so its first commit writes no copy of them.  A later fold
+        # onto such a group starts from its members — at most one old partial read, as bounded as
+        # reading the state.
+        if old is not None and "token_vectors" not in old["files"]:
+            types = _fold_tokens(st, key, None, members, [], d, out, keep_state=len(members) > 1)
+        else:
+            types = _fold_tokens(st, key, old, adds, removes, d, out, keep_state=len(members) > 1)
         layers = _fold_layers(st, old, adds, removes)
         _window_scalars(st, layers, old, adds, removes, members)
         if layers:
