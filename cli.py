@@ -174,15 +174,7 @@ def sweep(
             python = spec.slurm.get("python", sys.executable)
             text = sw.slurm_script(spec, todo, p.id, Path(__file__).resolve(), python, Path.cwd(), warehouse,
                                    datetime.datetime.now().isoformat(timespec="seconds"), len(p.units))
-            tmp = slurm.with_name(slurm.name + ".tmp")
-            try:
-                tmp.write_text(text)
-                tmp.chmod(0o755)
-                tmp.replace(slurm)
-            except OSError as e:
-                if tmp.exists():
-                    tmp.unlink()
-                raise UserError(f"--slurm {slurm}: cannot write it ({e.strerror})") from None
+            sw.write_script(slurm, text)
             typer.echo(f"wrote {slurm}: {len(todo)} array tasks; submit with: sbatch {slurm}", err=True)
         if plan or slurm is not None:
             return

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shlex
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from common.errors import UserError
+from warehouse.storage import durable_temp
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -338,6 +340,20 @@ def slurm_script(sweep: Sweep, todo: list[int], pid: str, cli: Path, python: str
         run += ["--warehouse", warehouse]
     lines.append("exec " + shlex.join(run) + ' --task "$SLURM_ARRAY_TASK_ID" --plan-id ' + pid)
     return "\n".join(lines) + "\n"
+
+
+def write_script(path: Path, text: str) -> None:
+    """The job script at `path`, executable, written atomically: the old script or the new one, never a part."""
+    try:
+        tmp = durable_temp(path, text.encode())
+        try:
+            tmp.chmod(0o755)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+    except OSError as e:
+        raise UserError(f"--slurm {path}: cannot write it ({e.strerror})") from None
 
 
 def for_task(plan: list[Unit], task: int) -> Unit:

@@ -199,11 +199,19 @@ class _TypeStats:
             acc[2] += S[sel].sum(0)
 
 
-def _fold_tokens(st: Storage, key: dict, old: dict | None, adds: list[dict], removes: list[dict], d: int,
-                 writers: dict, keep_state: bool = True) -> _TypeStats:
+def _fold_tokens(st: Storage, key: dict, old: dict | None, adds: list[dict], removes: list[dict],
+                 members: list[dict], d: int, writers: dict) -> _TypeStats:
     """Stream the group's merged token state, the partials to remove and the partials to add, chunk
-    by chunk of token ids, into new token_stats (and, with keep_state, token_vectors) files; returns
-    the type statistics."""
+    by chunk of token ids, into new token_stats and token_vectors files; returns the type statistics.
+
+    The token state (token_vectors, 8·d bytes per layer and type) is written only for a group of two
+    or more partials (`members`, the group's partials afterwards): a group of one partial's state is
+    that partial's token_sums (the same Σû, exactly: folding starts from zeros), so a first commit
+    writes no copy of them.  A fold onto such a group starts from its members — at most one old
+    partial read, as bounded as reading the state."""
+    if old is not None and "token_vectors" not in old["files"]:
+        old, adds, removes = None, members, []
+    keep_state = len(members) > 1
     chunk_rows = max(64, CHUNK_BYTES // (8 * d))
     streams: list[_Sorted] = []
     try:
@@ -509,15 +517,7 @@ def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, 
     key = {"model": model, "checkpoint": checkpoint, "step": step, "source": group}
     out = _Writers(open_storage(dest) if dest is not None else st, key, store.new_run_id())
     try:
-        # The token state (token_vectors, 8·d bytes per layer and type) is kept only for a group of two
-        # or more partials: a group of one partial's state is that partial's token_sums (the same Σû,
-        # exactly: folding starts from zeros), so its first commit writes no copy of them.  A later fold
-        # onto such a group starts from its members — at most one old partial read, as bounded as
-        # reading the state.
-        if old is not None and "token_vectors" not in old["files"]:
-            types = _fold_tokens(st, key, None, members, [], d, out, keep_state=len(members) > 1)
-        else:
-            types = _fold_tokens(st, key, old, adds, removes, d, out, keep_state=len(members) > 1)
+        types = _fold_tokens(st, key, old, adds, removes, members, d, out)
         layers = _fold_layers(st, old, adds, removes)
         _window_scalars(st, layers, old, adds, removes, members)
         if layers:
