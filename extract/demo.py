@@ -56,7 +56,7 @@ def run_demo(root: Path, settings: DemoSettings, log=print) -> dict:
         train(source, out, TrainSettings(tied=tied, steps=settings.steps, save_every=settings.save_every), fp, log=log)
     timings["train"] = time.perf_counter() - t0
     t1 = time.perf_counter()
-    ex = Settings(max_tokens=settings.max_tokens, skip_done=not settings.force, moments=True, sample=settings.sample,
+    ex = Settings(max_tokens=settings.max_tokens, skip_done=not settings.force, moments=True, cross_moments=True, sample=settings.sample,
                   sequences=True, prompt_entropy=True)  # every figure of the report, the opt-in ones included
     for spec in ("minilm", str(models / "micro-tied"), str(models / "micro-untied")):
         ref = resolve_model(spec)

@@ -87,6 +87,8 @@ def make_settings(o: dict, launch: Launch, cuda_available: bool):
         raise UserError("--sample must be 0 (none) or a positive count")
     if o["prompt_entropy"] and o["sequences"] is False:
         raise UserError("--prompt-entropy is a per-window measure: it cannot go with --no-sequences")
+    if o["cross_moments"] and not o["moments"]:
+        raise UserError("--cross-moments are moments between layers: they cannot go with --no-moments")
     if o["scatter"] not in SCATTERS:
         raise UserError(f"--scatter {o['scatter']!r}: expected one of {', '.join(SCATTERS)}")
     precision = check_moments_precision(o["moments_precision"], o["accumulator_device"] or device, dtype)
@@ -100,7 +102,8 @@ def make_settings(o: dict, launch: Launch, cuda_available: bool):
                     batch_size=o["batch_size"], batch_tokens=o["batch_tokens"], device=device, dtype=dtype,
                     shard=launch.shard, vector_dtype=o["vector_dtype"], trust_remote_code=o["trust_remote_code"],
                     params_only=o["params_only"], accumulator_device=o["accumulator_device"],
-                    skip_done=o["skip_done"], moments=o["moments"], moments_precision=precision,
+                    skip_done=o["skip_done"], moments=o["moments"], cross_moments=o["cross_moments"],
+                    moments_precision=precision,
                     scatter=o["scatter"], sequences=bool(o["sequences"] or o["prompt_entropy"]),
                     prompt_entropy=o["prompt_entropy"], sample=o["sample"], special_tokens=o["special_tokens"],
                     memory_budget=budget, spill_dir=str(o["spill_dir"]) if o["spill_dir"] else None,

@@ -56,7 +56,8 @@ class Settings:
     params_only: bool = False
     accumulator_device: str | None = None
     skip_done: bool = False  # keep finished (checkpoint, source, shard) runs with the same settings
-    moments: bool = True  # Σh, Σhhᵀ per layer and Σ h_l h_{l+1}ᵀ (the peers' measures)
+    moments: bool = True  # Σh, Σhhᵀ per layer (anisotropy, IsoScore, spectra)
+    cross_moments: bool = False  # also Σ h_l h_{l+1}ᵀ per consecutive pair (linearity, CKA, Procrustes; opt-in)
     moments_precision: str = "float32"  # per-batch products: float32 (shifted), bfloat16 or float64
     scatter: str = "atomic"  # per-token sums: atomic (scatter-add) | segment (sorted once, segment sums)
     sequences: bool = False  # per-window measures: sequence moments, curvature, massive activations (opt-in)
@@ -71,7 +72,16 @@ class Settings:
 
 # Settings that change a run's numbers: a finished run with the same ones can be kept (--skip-done).
 RESULT_SETTINGS = ("unit", "max_length", "max_tokens", "dtype", "shard", "vector_dtype", "pile_set", "moments",
-                   "moments_precision", "sample", "special_tokens", "modules", "sequences", "prompt_entropy")
+                   "cross_moments", "moments_precision", "sample", "special_tokens", "modules", "sequences",
+                   "prompt_entropy")
+
+
+def recorded_setting(settings: dict, key: str):
+    """A run's recorded setting; runs from before --cross-moments stored the cross moments with
+    every moments run."""
+    if key == "cross_moments" and key not in settings:
+        return settings.get("moments")
+    return settings.get(key)
 DEFAULT_MAX_LENGTH = 4096  # windows of at most this many tokens unless --max-length says otherwise
 DEFAULT_BATCH_WINDOWS = 8  # the default token budget of a batch: this many full windows,
 DEFAULT_BATCH_TOKENS = 4096  # and at least this many tokens (short --max-length)
@@ -346,7 +356,7 @@ def new_accumulator(loaded: Loaded, settings: Settings, budget: int) -> TokenSum
     try:
         if settings.moments:
             acc.moments = Moments(len(kinds), d, settings.accumulator_device or settings.device,
-                                  precision=settings.moments_precision)
+                                  cross=settings.cross_moments, precision=settings.moments_precision)
         if settings.sequences:  # on the moments' background thread where there is one (same order)
             acc.extra = WindowMeasures(len(kinds), d, settings.accumulator_device or settings.device,
                                        precision=settings.moments_precision, prompt_entropy=settings.prompt_entropy,
@@ -709,7 +719,7 @@ def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settin
             continue
         if source.split_values is not None and entry["settings"].get("split_value") not in source.split_values:
             continue
-        if all(entry["settings"].get(k) == want[k] for k in RESULT_SETTINGS):
+        if all(recorded_setting(entry["settings"], k) == want[k] for k in RESULT_SETTINGS):
             return True
     return False
 

@@ -92,7 +92,7 @@ def same_numbers(a: dict, b: dict, tol: float = 1e-6) -> None:
 def single(workdir, sources, model_factory):
     model = model_factory("gpt_neox", tied=False)
     args = ["--model", str(model), "--source", f"alpha={sources['alpha']}", "--source", f"beta={sources['beta']}",
-            "--max-length", "32", "--batch-size", "2", "--moments"]
+            "--max-length", "32", "--batch-size", "2", "--moments", "--cross-moments"]
     wh = workdir / "scale-single"
     code, _, err = run_cli("extract", *args, "--warehouse", wh)
     assert code == 0, err

@@ -244,10 +244,10 @@ def test_compaction_keeps_every_view_and_closes_the_checkpoint(tmp_path):
 
 @pytest.fixture(scope="session")
 def moments_wh(workdir, sources, model_factory):
-    """Three commits of a tiny model with --moments --sample (alpha in 2 shards, then beta)."""
+    """Three commits of a tiny model with --moments --cross-moments --sample (alpha in 2 shards, then beta)."""
     model = model_factory("gpt_neox", tied=False)
     wh = workdir / "merge-moments"
-    common = ["--model", model, "--warehouse", wh, "--max-length", 32, "--moments", "--sample", 40]
+    common = ["--model", model, "--warehouse", wh, "--max-length", 32, "--moments", "--cross-moments", "--sample", 40]
     for args in (["--source", f"alpha={sources['alpha']}", "--shard", "1/2"],
                  ["--source", f"alpha={sources['alpha']}", "--shard", "2/2"],
                  ["--source", f"beta={sources['beta']}"]):

@@ -38,7 +38,7 @@ def peers(workdir, sources, model_factory):
     for args in (["--source", a, "--shard", "1/2"], ["--source", a, "--shard", "2/2"], ["--source", b]):
         code, _, err = run_cli("extract", "--model", path, *args, "--warehouse", wh, "--max-length", MAXLEN,
                                "--moments-precision", "float64", "--sample", 100000,  # exact products: the oracles' 1e-9
-                               "--sequences", "--prompt-entropy")
+                               "--cross-moments", "--sequences", "--prompt-entropy")
         assert code == 0, err
     texts = {"alpha": ref.source_texts(sources["alpha"]), "beta": ref.source_texts(sources["beta"])}
     windows = {k: [] for k in ("all", "alpha", "beta")}
@@ -493,7 +493,7 @@ def test_bfloat16_moments_against_float64_end_to_end(workdir, sources, model_fac
         wh = workdir / f"bf16-moments-{precision}"
         code, _, err = run_cli("extract", "--model", model, "--source", f"alpha={sources['alpha']}", "--source",
                                f"beta={sources['beta']}", "--warehouse", wh, "--max-length", MAXLEN, "--dtype",
-                               "bfloat16", "--moments-precision", precision)
+                               "bfloat16", "--moments-precision", precision, "--cross-moments")
         assert code == 0, err
         cons[precision] = connect(wh)
     q = "SELECT layer, n, s1, s2, s_cross FROM moments_merged WHERE source = 'all' ORDER BY layer"
@@ -546,17 +546,12 @@ def test_default_float32_moments_against_float64(peers, workdir, sources, model_
         assert np.abs(c32 - c64).max() <= 1e-6 * np.abs(c64).max(), layer  # measured ~1e-7
         e32, e64 = np.linalg.eigvalsh(c32), np.linalg.eigvalsh(c64)
         assert np.abs(e32 - e64).max() <= 1e-7 * e64.max(), layer
-        if sx is not None:
-            assert np.abs(np.array(sx) - np.array(sx64)).max() <= 1e-6 * np.abs(np.array(sx64)).max()
-    for name, col in (("anisotropy", "anisotropy"), ("isoscore", "isoscore"), ("linearity", "cka"),
-                      ("linearity", "procrustes_orthogonal"), ("linearity", "linearity")):
-        a = {r[0]: r[1] for r in con.execute(f"SELECT layer, {col} FROM {name} WHERE source = 'all'").fetchall()}
-        b = {r[0]: r[1] for r in peers["con"].execute(f"SELECT layer, {col} FROM {name} WHERE source = 'all'").fetchall()}
-        assert a.keys() == b.keys() and a
-        for k in b:
-            assert abs(a[k] - b[k]) <= 1e-5 * max(abs(b[k]), 1e-3), (name, col, k, a[k], b[k])
+        assert sx is None  # the cross moments are opt-in (--cross-moments)
+    _same_moment_views(con, peers["con"], "all", (("anisotropy", "anisotropy"), ("isoscore", "isoscore")))
+    assert con.execute("SELECT count(*) FROM linearity").fetchone()[0] == 0
     settings = json.loads(con.execute("SELECT settings FROM runs WHERE kind = 'data' LIMIT 1").fetchone()[0])
     assert settings["moments"] is True and settings["moments_precision"] == "float32"
+    assert settings["cross_moments"] is False
     con.close()
     # --no-moments: no moments table, no moment views for that run (the Inter-Sim views are unaffected)
     off = workdir / "peers-wh-off"
@@ -568,3 +563,52 @@ def test_default_float32_moments_against_float64(peers, workdir, sources, model_
     assert con.execute("SELECT count(*) FROM anisotropy").fetchone()[0] == 0
     assert con.execute("SELECT count(*) FROM inter_sim").fetchone()[0] > 0
     con.close()
+
+
+def _same_moment_views(con, con64, source: str, views) -> None:
+    """The views' values of one source in two warehouses, to the float32 moments' bound (1e-5)."""
+    for name, col in views:
+        q = f"SELECT layer, {col} FROM {name} WHERE source = '{source}'"
+        a, b = dict(con.execute(q).fetchall()), dict(con64.execute(q).fetchall())
+        assert a.keys() == b.keys() and a, (name, col)
+        for k in b:
+            assert abs(a[k] - b[k]) <= 1e-5 * max(abs(b[k]), 1e-3), (name, col, k, a[k], b[k])
+
+
+def test_cross_moments_are_opt_in_and_never_half_merged(peers, workdir, sources, model_factory):
+    """--cross-moments stores Σ h_l h_{l+1}ᵀ (float32 products, float64 sums) and gives linearity, CKA and
+    Procrustes equal to the float64 run's; a group whose partials do not all hold them gives no
+    linearity row at all (never one from part of the tokens); --no-moments refuses them."""
+    from extract.run import recorded_setting
+
+    model = model_factory("gpt_neox", tied=False)
+    wh = workdir / "peers-wh-cross"
+    common = ["--model", model, "--warehouse", wh, "--max-length", MAXLEN, "--source", f"alpha={sources['alpha']}"]
+    for shard, flags in (("1/2", ["--cross-moments"]), ("2/2", [])):
+        code, _, err = run_cli("extract", *common, "--shard", shard, *flags)
+        assert code == 0, err
+    con = connect(wh)
+    assert con.execute("SELECT count(*) FROM anisotropy WHERE source = 'alpha'").fetchone()[0] > 2
+    assert con.execute("SELECT count(*) FROM linearity").fetchone()[0] == 0  # shard 2/2 has none
+    con.close()
+    code, _, err = run_cli("extract", *common, "--shard", "2/2", "--cross-moments")  # replaces that partial
+    assert code == 0, err
+    con = connect(wh)
+    q = "SELECT layer, s_cross FROM moments_merged WHERE source = 'alpha' AND s_cross IS NOT NULL ORDER BY layer"
+    got, want = con.execute(q).fetchall(), peers["con"].execute(q).fetchall()
+    assert len(got) == len(want) == len(peers["states"]["alpha"]) - 1
+    for (layer, sx), (_, sx64) in zip(got, want):
+        assert np.abs(np.array(sx) - np.array(sx64)).max() <= 1e-6 * np.abs(np.array(sx64)).max(), layer
+    _same_moment_views(con, peers["con"], "alpha", (("linearity", "cka"), ("linearity", "procrustes_orthogonal"),
+                                                     ("linearity", "linearity"), ("linearity", "linearity_centered")))
+    settings = [json.loads(r[0]) for r in con.execute("SELECT settings FROM runs WHERE kind = 'data'").fetchall()]
+    assert [r["cross_moments"] for r in settings] == [True, True]
+    con.close()
+    off = workdir / "peers-wh-cross-refused"
+    code, _, err = run_cli("extract", "--model", model, "--warehouse", off, "--source", f"alpha={sources['alpha']}",
+                           "--no-moments", "--cross-moments")
+    assert code == 2 and "--cross-moments" in err and len(err.strip().splitlines()) == 1 and not off.exists()
+    # --skip-done: a run recorded before the option held cross moments whenever it held moments
+    assert recorded_setting({"moments": True}, "cross_moments") is True
+    assert recorded_setting({"moments": False}, "cross_moments") is False
+    assert recorded_setting({"moments": True, "cross_moments": False}, "cross_moments") is False

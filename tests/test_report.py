@@ -77,7 +77,7 @@ def trained(workdir, sources):
         assert code == 0, err
         code, _, err = run_cli("extract", "--model", out, "--checkpoints", "all", "--source",
                                f"alpha={sources['alpha']}", "--source", f"beta={sources['beta']}", "--warehouse", wh,
-                               "--moments", "--sample", 200, "--prompt-entropy")  # implies --sequences
+                               "--moments", "--cross-moments", "--sample", 200, "--prompt-entropy")  # implies --sequences
         assert code == 0, err
     return wh
 

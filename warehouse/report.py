@@ -391,7 +391,7 @@ def _training_line(d: Data, fid: str, title: str, caption: str, view: str, value
     return f
 
 
-PEER_FLAGS = {"anisotropy": "--moments", "linearity": "--moments", "intrinsic_dim": "--sample K",
+PEER_FLAGS = {"anisotropy": "--moments", "linearity": "--cross-moments", "intrinsic_dim": "--sample K",
               "alpha_req": "--moments", "outlier_kurtosis": "--moments", "dataset_entropy": "--sequences",
               "curvature": "--sequences", "prompt_entropy": "--prompt-entropy"}
 
@@ -505,7 +505,7 @@ def _pooled_by_layer(d: Data, fid: str, title: str, caption: str, value: str, y_
     f = Figure(fid, title, caption)
     df = d.final("sequence_spectrum", "source = 'all'", order="model, layer, pooling")
     if df.is_empty():
-        f.missing = "no data for sequence_spectrum (extract without --no-sequences)"
+        f.missing = "no data for sequence_spectrum (extract with --sequences)"
         return f
     f.chart = _line(df, "layer", "Layer index (0 = embedding)", value, y_title,
                     ["model", "checkpoint", "layer", "pooling", "windows", value], dash="pooling",
@@ -521,7 +521,7 @@ def fig_massive_layers(d: Data) -> Figure:
                "values thousands of times the mean, at a few dimensions and tokens, from the early layers on.")
     df = d.final("massive_activations", "source = 'all' AND rank = 1", order="model, layer")
     if df.is_empty():
-        f.missing = "no data for massive_activations (extract without --no-sequences)"
+        f.missing = "no data for massive_activations (extract with --sequences)"
         return f
     f.chart = _line(df, "layer", "Layer index (0 = embedding)", "ratio_to_mean_abs", "Largest |h| / mean |h|",
                     ["model", "checkpoint", "layer", "dim", "token", "abs_value", "ratio_to_mean_abs"])
