@@ -82,6 +82,8 @@ def recorded_setting(settings: dict, key: str):
     if key == "cross_moments" and key not in settings:
         return settings.get("moments")
     return settings.get(key)
+
+
 DEFAULT_MAX_LENGTH = 4096  # windows of at most this many tokens unless --max-length says otherwise
 DEFAULT_BATCH_WINDOWS = 8  # the default token budget of a batch: this many full windows,
 DEFAULT_BATCH_TOKENS = 4096  # and at least this many tokens (short --max-length)
