@@ -622,14 +622,20 @@ class Moments:
         """precision "bfloat16": the raw rows as they are (bf16 hidden states: no centre, whose
         subtraction would round), so every product is exact in float32; float32 accumulation over
         ≤ CHUNK_BF16 rows per product (tensor cores on a GPU), each product added into the float64
-        sums.  A layer's rows go to one half of an (M, 2d) buffer, the halves alternating by layer,
-        so that its Gram matrix and the cross moment with the previous layer (the other half, the
-        same rows) are one product: [h_prev | h]ᵀ h, (2d, d) — full, not the upper triangle (one
-        larger product instead of two smaller ones)."""
+        sums.  With cross moments, a layer's rows go to one half of an (M, 2d) buffer, the halves
+        alternating by layer, so that its Gram matrix and the cross moment with the previous layer
+        (the other half, the same rows) are one product: [h_prev | h]ᵀ h, (2d, d) — full, not the
+        upper triangle (one larger product instead of two smaller ones); without, hᵀh of the rows
+        as they are."""
         M, d = h.shape
         self._n[layer] += ok.sum()
         self._s1[layer] += h.sum(0, dtype=torch.float64)
         self._rows[layer] += M
+        if self._cross is None:  # no pairing: the rows as they are, no copy into the pair buffer
+            for a in range(0, M, self.CHUNK_BF16):
+                x = h[a: a + self.CHUNK_BF16]  # (k, d)
+                self._s2[layer] += _mm_bf16(x.T, x)
+            return
         if self._pair.shape[0] < M or self._pair.shape[1] != 2 * d:
             self._pair = torch.empty(M, 2 * d, dtype=torch.bfloat16, device=h.device)
             self._prev = None  # the previous layer's rows were not kept
@@ -637,13 +643,11 @@ class Moments:
         cur = slice(half * d, (half + 1) * d)
         buf = self._pair[:M]
         buf[:, cur] = h  # exact copy
-        paired = (self._cross is not None and self._prev is not None and self._prev[0] == layer - 1
-                  and self._prev[1] == M)
+        paired = self._prev is not None and self._prev[0] == layer - 1 and self._prev[1] == M
         if paired:
             pok = self._prev[2]
             self._n_pair[layer - 1] += (pok & ok).sum()
-        if self._cross is not None:
-            self._prev = (layer, M, ok)
+        self._prev = (layer, M, ok)
         for a in range(0, M, self.CHUNK_BF16):
             rows = buf[a: a + self.CHUNK_BF16]  # (k, 2d)
             if paired:  # rows of [Σ h_prev hᵀ ; Σ h hᵀ] or the reverse, by which half is which

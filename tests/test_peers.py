@@ -489,26 +489,33 @@ def test_bfloat16_moments_against_float64_end_to_end(workdir, sources, model_fac
     the precision is recorded; float32 hidden states are refused before anything runs."""
     model = model_factory("gpt_neox", tied=False)
     cons = {}
-    for precision in ("bfloat16", "float64"):
-        wh = workdir / f"bf16-moments-{precision}"
+    for name, precision, cross in (("bfloat16", "bfloat16", True), ("float64", "float64", True),
+                                   ("bfloat16-no-cross", "bfloat16", False)):
+        wh = workdir / f"bf16-moments-{name}"
         code, _, err = run_cli("extract", "--model", model, "--source", f"alpha={sources['alpha']}", "--source",
                                f"beta={sources['beta']}", "--warehouse", wh, "--max-length", MAXLEN, "--dtype",
-                               "bfloat16", "--moments-precision", precision, "--cross-moments")
+                               "bfloat16", "--moments-precision", precision, *(["--cross-moments"] if cross else []))
         assert code == 0, err
-        cons[precision] = connect(wh)
+        cons[name] = connect(wh)
     q = "SELECT layer, n, s1, s2, s_cross FROM moments_merged WHERE source = 'all' ORDER BY layer"
-    got, want = cons["bfloat16"].execute(q).fetchall(), cons["float64"].execute(q).fetchall()
-    assert len(got) == len(want) > 2
-    for (layer, n, s1, s2, sx), (_, n64, s1_64, s2_64, sx64) in zip(got, want):
-        assert n == n64 and np.array_equal(s1, s1_64)  # Σh is float64 either way
-        d = len(s1)
-        cov = lambda a, b: np.array(b).reshape(d, d) / n - np.outer(a, a) / n**2  # noqa: E731
-        c16, c64 = cov(s1, s2), cov(s1_64, s2_64)
-        assert np.abs(c16 - c64).max() <= 1e-5 * np.abs(c64).max(), layer
-        e16, e64 = np.linalg.eigvalsh(c16), np.linalg.eigvalsh(c64)
-        assert np.abs(e16 - e64).max() <= 1e-6 * e64.max(), layer
-        if sx is not None:
-            assert np.abs(np.array(sx) - np.array(sx64)).max() <= 1e-6 * np.abs(np.array(sx64)).max()
+    want = cons["float64"].execute(q).fetchall()
+    for name in ("bfloat16", "bfloat16-no-cross"):  # paired products [h_prev | h]ᵀh, or hᵀh alone
+        got = cons[name].execute(q).fetchall()
+        assert len(got) == len(want) > 2
+        for (layer, n, s1, s2, sx), (_, n64, s1_64, s2_64, sx64) in zip(got, want):
+            assert n == n64 and np.array_equal(s1, s1_64)  # Σh is float64 either way
+            d = len(s1)
+            cov = lambda a, b: np.array(b).reshape(d, d) / n - np.outer(a, a) / n**2  # noqa: E731
+            c16, c64 = cov(s1, s2), cov(s1_64, s2_64)
+            assert np.abs(c16 - c64).max() <= 1e-5 * np.abs(c64).max(), (name, layer)
+            e16, e64 = np.linalg.eigvalsh(c16), np.linalg.eigvalsh(c64)
+            assert np.abs(e16 - e64).max() <= 1e-6 * e64.max(), (name, layer)
+            if name == "bfloat16-no-cross":
+                assert sx is None
+                continue
+            assert (sx is None) == (sx64 is None)  # None at the last layer only
+            if sx is not None:
+                assert np.abs(np.array(sx) - np.array(sx64)).max() <= 1e-6 * np.abs(np.array(sx64)).max()
     for name, col in (("anisotropy", "anisotropy"), ("isoscore", "isoscore"), ("effective_rank", "effective_rank"),
                       ("linearity", "cka"), ("linearity", "linearity")):
         q = f"SELECT layer, {col} FROM {name} WHERE source = 'all'"
