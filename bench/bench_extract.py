@@ -115,7 +115,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="passes over the batches")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    ap.add_argument("--moments", action="store_true", help="also accumulate Σh, Σhhᵀ and cross moments")
+    ap.add_argument("--moments", action="store_true", help="also accumulate Σh and Σhhᵀ (extract's default moments)")
+    ap.add_argument("--cross-moments", action="store_true", help="with --moments: also Σ h_l h_{l+1}ᵀ (extract --cross-moments)")
     ap.add_argument("--moments-precision", default=None, choices=list(PRECISIONS),
                     help="default: bfloat16 on cuda with --dtype bfloat16 (as extract), else float32")
     ap.add_argument("--scatter", default="atomic", choices=list(SCATTERS), help="how the token sums are added")
@@ -158,7 +159,8 @@ def main() -> None:
             args.moments_precision = ("bfloat16" if args.device.startswith("cuda") and args.dtype == "bfloat16"
                                       else "float32")
         if args.moments:
-            acc.moments = Moments(len(kinds), args.hidden, args.device, precision=args.moments_precision,
+            acc.moments = Moments(len(kinds), args.hidden, args.device, cross=args.cross_moments,
+                                  precision=args.moments_precision,
                                   background=args.overlap)
         if args.sample:
             acc.sample = Sample(len(kinds), args.sample, args.hidden)
@@ -235,7 +237,8 @@ def main() -> None:
         if args.check:
             other = TokenSums(len(kinds), args.vocab, args.hidden, args.device, fused=acc._fused is None)
             if args.moments:  # the same hidden states' exact products: the precision of the moments
-                other.moments = Moments(len(kinds), args.hidden, args.device, precision="float64", background=False)
+                other.moments = Moments(len(kinds), args.hidden, args.device, cross=args.cross_moments,
+                                        precision="float64", background=False)
             with torch.inference_mode():
                 for i in seen:  # the very batches `acc` saw, in order
                     extract(i, other)

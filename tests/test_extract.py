@@ -490,6 +490,9 @@ def test_compiled_gpu_step_equals_the_eager_path():
     torch.manual_seed(0)
     accs = [TokenSums(2, 20, 8, "cpu", fused=f) for f in (False, True)]
     accs += [TokenSums(2, 20, 8, "cpu", scatter="segment", fold_partials=f) for f in (False, True)]
+    accs += [TokenSums(2, 20, 8, "cpu"), TokenSums(2, 20, 8, "cpu")]
+    accs[-2].CHUNK = 5  # the CPU path in chunks of 5 rows: chunks with and without NaN/zero rows
+    accs[-1].host_sync_free = False  # the general eager path (a GPU's without the compiler), whole batches
     for acc in accs:  # the moments ride along on every path
         acc.moments = Moments(2, 8, "cpu", precision="float64")
     for step in range(2):
@@ -505,9 +508,13 @@ def test_compiled_gpu_step_equals_the_eager_path():
             acc.set_batch(ids, counted)
             for layer in range(2):
                 acc.add(layer, hidden * (layer + 1))
-    eager, fused, *segment = accs
+    eager, fused, *segment, chunked, general = accs
     assert fused._fused is not None and eager._fused is None and all(a._fused is None for a in segment)
-    for other in (fused, *segment):  # the compiled step; sort-and-segment sums, on the device and folded
+    for layer in range(2):  # the CPU path in chunks is the general path's arithmetic in its order: same bits
+        for other in (chunked, general):
+            (ce, se), (cf, sf) = eager.dense(layer), other.dense(layer)
+            assert torch.equal(ce, cf) and torch.equal(se, sf)
+    for other in (fused, *segment, chunked, general):  # the compiled step; sort-and-segment sums, on the device and folded
         for layer in range(2):
             (ce, se), (cf, sf) = eager.dense(layer), other.dense(layer)
             assert torch.equal(ce, cf) and torch.allclose(se, sf, rtol=1e-13, atol=1e-13)
@@ -516,6 +523,9 @@ def test_compiled_gpu_step_equals_the_eager_path():
         for name in ("sum_h", "sum_u2", "window_cos"):
             assert torch.allclose(getattr(eager, name), getattr(other, name), rtol=1e-12, atol=1e-12), name
     assert eager.nonfinite.tolist() == [2, 2] and eager.zero.tolist() == [2, 2]
+    for other in (chunked, general):
+        assert torch.equal(eager.sum_h, other.sum_h) and torch.equal(eager.window_cos, other.window_cos)
+        assert torch.equal(eager.moments.s1, other.moments.s1) and np.array_equal(eager.moments.s2(1), other.moments.s2(1))
     me, mf = eager.moments, fused.moments
     assert torch.equal(me.n, mf.n) and torch.equal(me.n_pair, mf.n_pair) and me.n.tolist() == [26, 26]  # 30 counted, 4 NaN/zero
     assert torch.allclose(me.s1, mf.s1, rtol=1e-13, atol=1e-13)
@@ -557,8 +567,9 @@ def test_moments_on_a_background_thread_equal_inline_bit_for_bit():
 
 
 def test_onednn_products_equal_the_torch_path_and_float64():
-    """On x86-64 the float32 products go through oneDNN on the transposed rows: against the torch
-    path (row layout, MKL) and the exact float64 products — batches of changing size (the reused
+    """The CPU's float32 products, in row chunks, through oneDNN on the transposed rows (taken where
+    the CPU has AVX-512) and through torch on the rows as they are (MKL; AVX2 CPUs), both against
+    the exact float64 products — batches of changing size (the reused
     buffers grow and shrink) split into row chunks, an odd d, bf16 and float32 input, zeroed rows,
     pairs."""
     if platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available():
@@ -568,10 +579,10 @@ def test_onednn_products_equal_the_torch_path_and_float64():
     torch.manual_seed(3)
     for d in (17, 64):
         fast, slow = Moments(3, d, "cpu", background=False), Moments(3, d, "cpu", background=False)
-        slow._nt = None  # the row-layout torch path
-        fast.CHUNK = 32  # several chunks per batch, a partial last one
+        fast._nt, slow._nt = accumulate._ONEDNN, None  # oneDNN on transposed rows (AVX-512 CPUs); MKL on the rows
+        fast.CHUNK = slow.CHUNK = 32  # several chunks per batch, a partial last one
         exact = Moments(3, d, "cpu", precision="float64", background=False)
-        assert fast._nt is not None and exact._nt is None
+        assert exact._nt is None and not exact._chunked
         for M, dtype in ((50, torch.float32), (120, torch.bfloat16), (7, torch.float32), (90, torch.float32)):
             ok = torch.rand(M) > 0.1
             for layer in range(3):
@@ -582,12 +593,15 @@ def test_onednn_products_equal_the_torch_path_and_float64():
             ref64 = exact.s2(layer)
             for m in (fast, slow):
                 assert np.abs(m.s2(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max(), (d, layer)
-            assert torch.allclose(fast.s1, exact.s1, rtol=1e-14, atol=0) and torch.equal(fast.n, exact.n)
+            for m in (fast, slow):
+                assert torch.allclose(m.s1, exact.s1, rtol=1e-14, atol=0) and torch.equal(m.n, exact.n)
         for layer in range(2):
             ref64 = exact.cross(layer)
             for m in (fast, slow):
                 assert np.abs(m.cross(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max(), (d, layer)
-        assert torch.equal(fast.n_pair, exact.n_pair)
+        assert torch.equal(fast.n_pair, exact.n_pair) and torch.equal(slow.n_pair, exact.n_pair)
+    default = Moments(2, 4, "cpu", background=False)  # the layout this CPU gets
+    assert default._chunked and (default._nt is accumulate._ONEDNN) == accumulate._avx512()
 
 
 def test_bfloat16_moments_are_exact_products_against_float64():
