@@ -21,6 +21,8 @@ upcasts inside the kernel) and û = h · (1/‖h‖) is formed in float64 by typ
 NaN/inf component or zero norm are counted per layer and excluded, never summed.  When the
 accumulator lives on another device than the model (`--accumulator-device cpu`), a per-batch
 partial over the batch's distinct tokens is summed on the model's device first and folded in.
+On a CPU the same arithmetic runs CHUNK rows at a time on one float64 copy of the chunk
+(`_add_chunked`: same sums, bit for bit, at ~1/3 of the memory traffic).
 """
 
 from __future__ import annotations
