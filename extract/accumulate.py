@@ -297,39 +297,34 @@ class TokenSums:
         u = torch.zeros(n_win, d, dtype=f64)  # Σû per window
         u2 = torch.zeros(d, dtype=f64)  # Σû² per dimension
         S = self.sums[layer]
-        oks = []  # per chunk: None where every row is finite and non-zero
+        oks, excluded = [], False  # per chunk: its finite non-zero rows (c,)
         for a in range(0, M, self.CHUNK):
             b = min(a + self.CHUNK, M)
             x = h[a:b].to(f64, copy=True)  # (c, d) exact upcast, never h itself (moments read h later)
             norm = torch.linalg.vector_norm(x, dim=1)  # (c,) float64
             inv = norm.reciprocal()
-            ok = torch.isfinite(norm) & (norm > 0)  # (c,)
-            if bool(ok.all()):  # no sync to fear: this is the CPU
-                oks.append(None)
-            else:  # NaN/inf or zero vectors are counted, then zeroed out
-                finite = torch.isfinite(norm)
+            finite = torch.isfinite(norm)
+            ok = finite & (norm > 0)  # (c,)
+            oks.append(ok)
+            if not bool(ok.all()):  # NaN/inf or zero vectors are counted, then zeroed out (the CPU: no sync to fear)
+                excluded = True
                 self.nonfinite[layer] += (~finite).sum()
                 self.zero[layer] += (finite & ~ok).sum()
                 x.masked_fill_(~ok.unsqueeze(1), 0)
                 inv = torch.where(ok, inv, 0.0)
-                oks.append(ok)
             m.index_add_(0, win[a:b], x)
             x.mul_(inv.unsqueeze(1))  # û
             u.index_add_(0, win[a:b], x)
             S.index_add_(0, index[a:b], x)
             u2 += x.mul_(x).sum(0)
-        if all(o is None for o in oks):
-            ok, counts = None, self._ones
-        else:
-            ok = torch.cat([torch.ones(min(self.CHUNK, M - i * self.CHUNK), dtype=torch.bool) if o is None else o
-                            for i, o in enumerate(oks)])  # (M,)
+        ok = torch.cat(oks)  # (M,)
+        counts = self._ones
+        if excluded:
             counts = ok.long()
             n_w = torch.zeros(n_win, dtype=torch.int64).index_add_(0, win, counts)
             h = h.masked_fill(~ok.unsqueeze(1), 0)
         self.counts[layer].index_add_(0, index, counts)
         self._window_stats(layer, m, u, n_w, u2)
-        if ok is None and (self.moments is not None or self.extra is not None):
-            ok = torch.ones(M, dtype=torch.bool)
         if self.moments is not None:
             self.moments.add(layer, h, ok)
         if self.extra is not None:
@@ -468,18 +463,18 @@ def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hi
             hm.sum(1), x.sum(1), ok.sum(1), (x * x).sum((0, 1)))
 
 
-def _gram_upper(x: torch.Tensor, panels: int = 4) -> torch.Tensor:
-    """The upper triangle of xᵀx (x (M, d)), in float64, zeros below: row panels i of xᵀx from
-    column i on only, (panels + 1)/(2 · panels) of a full product's multiply-adds (5/8 for 4; a
-    symmetric rank-k update, which torch lacks, would be 1/2).  Measured at M = 4000, d = 512 in
-    float32 on 2 cores: 8.1–8.5 ms against 11.5 ms for x.T @ x."""
-    d = x.shape[1]
+def _add_gram_upper(S: torch.Tensor, block, panels: int) -> None:
+    """S (d, d) float64 += the upper triangle of xᵀx, by row panels: rows a:b of xᵀx from column a
+    on, `block(a, b)` (b − a, d − a) in the products' dtype, each added into the float64 sums —
+    (panels + 1)/(2 · panels) of a full product's multiply-adds (3/4 for 2, 5/8 for 4; a symmetric
+    rank-k update, which torch lacks, would be 1/2).  Entries below the diagonal inside a panel are
+    added too and never read (`Moments.s2` takes the upper triangle).  Measured at M = 4000, d = 512
+    in float32 on 2 cores: 8.1–8.5 ms for 4 panels against 11.5 ms for x.T @ x."""
+    d = S.shape[0]
     k = max(1, min(panels, d))
     edges = [round(i * d / k) for i in range(k + 1)]
-    out = torch.zeros(d, d, dtype=x.dtype, device=x.device)
     for a, b in zip(edges, edges[1:]):
-        out[a:b, a:] = x[:, a:b].T @ x[:, a:]  # (b − a, d − a)
-    return out.to(torch.float64).triu_()
+        S[a:b, a:] += block(a, b)
 
 
 def _onednn_nt():
@@ -680,16 +675,12 @@ class Moments:
             self._prev = (layer, x, ok, s)
         S = self._s2[layer]
         for i, xc in enumerate(x):  # each chunk's products folded into the float64 sums
-            if T:  # upper triangle in 3/4 of xᵀx: the top rows, then the bottom-right block
-                k = d // 2
-                S[:k] += self._nt(xc[:k], xc)  # (k, d); its part below the diagonal is never read
-                S[k:, k:] += self._nt(xc[k:], xc[k:])  # (d − k, d − k)
-            elif self._chunked:  # the same 3/4 of xᵀx from the rows as they are (MKL reads them transposed)
-                k = d // 2
-                S[:k] += xc[:, :k].T @ xc  # (k, d)
-                S[k:, k:] += xc[:, k:].T @ xc[:, k:]  # (d − k, d − k)
-            else:
-                S += _gram_upper(xc)  # upper triangle of xᵀx (lower: 0)
+            if T:  # oneDNN on the transposed rows (d, rows)
+                block = lambda a, b, xc=xc: self._nt(xc[a:b], xc[a:])  # noqa: E731
+            else:  # torch on the rows as they are (rows, d); MKL reads them transposed in place
+                block = lambda a, b, xc=xc: xc[:, a:b].T @ xc[:, a:]  # noqa: E731
+            # a CPU's chunks: 2 panels (smaller products run slower there); one product per batch: 4
+            _add_gram_upper(S, block, 2 if self._chunked else 4)
             if px is not None:  # Σ (h_l − c_l)(h_{l+1} − c_{l+1})ᵀ
                 self._cross[layer - 1] += self._nt(px[i], xc) if T else (px[i].T @ xc).to(torch.float64)
 
