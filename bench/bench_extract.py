@@ -185,6 +185,8 @@ def main() -> None:
                 into.sample.set_batch(torch.from_numpy(rng.integers(0, 2**62, m)), torch.zeros(m, 3, dtype=torch.long))
             with capture_layers(model, fam, into.add):
                 base(input_ids=batches[i], attention_mask=mask, use_cache=False)
+            if into.moments is not None:  # the background thread's products belong to this batch's time:
+                into.moments.finish()     # left queued, they would run during the next bare forward
             if into is acc:
                 seen.append(i)
 
