@@ -12,7 +12,8 @@ word-level tokenizer over 't0' … and '.') and three shapes of ~100k Zipf-distr
 Each shape runs three whole processes, alternating, `--runs` times: the default pass, `--no-moments`,
 and `bench/bare_forward.py` (same loader, windows and batches; the base model's forward alone).
 Printed per shape (medians): wall seconds, default ÷ --no-moments, --no-moments ÷ bare,
-default ÷ bare, tokens/s of the whole process, peak RSS; then sentence ÷ long in tokens/s.
+default ÷ bare, tokens/s of the whole process, peak RSS; the same ratios of the forward loops alone
+(the per-token cost, without the per-checkpoint fixed costs); then sentence ÷ long in tokens/s.
 
     python bench/bench_matrix.py                       # ~100k tokens per shape, 2 runs (~25 min here)
     python bench/bench_matrix.py --tokens 20000 --runs 1 --shapes short sentence
@@ -152,6 +153,11 @@ def main() -> None:
             print(f"{shape:9s} {tokens:7d} " + " ".join(f"{t[v]:15.1f}" for v in args.variants) +
                   f"  {ratio('default', '--no-moments')}  {ratio('--no-moments', 'bare'):>11s}  {ratio('default', 'bare'):>8s}"
                   f"  {tp('default'):>9s}  {tp('bare'):>10s}  {gb('default')}  {gb('bare')}")
+        for shape in args.shapes:  # the forward loops alone: per-token cost, the per-checkpoint fixed costs left out
+            lp = {v: med(shape, v, "loop") for v in args.variants}
+            print(f"{shape}: forward loop " + ", ".join(
+                f"{a} ÷ {b} {lp[a] / lp[b]:.3f}" for a, b in (("default", "--no-moments"), ("default", "bare"),
+                                                               ("--no-moments", "bare")) if a in lp and b in lp))
         if "long" in tps and "sentence" in tps:
             for v in args.variants:
                 print(f"sentence ÷ long, tokens/s ({v}): {tps['sentence'][v] / tps['long'][v]:.3f}")
