@@ -253,13 +253,10 @@ class TokenSums:
         inv = norm.reciprocal()  # (M,)
         win, n_win, cols, n_w = self._windows
         if not all_ok:  # NaN/inf or zero vectors are counted, then zeroed out
-            self.nonfinite[layer] += (~finite).sum()
-            self.zero[layer] += (finite & ~ok).sum()
+            counts, n_w = self._exclude(layer, finite, ok, win, n_win)
             h = h.masked_fill(~ok.unsqueeze(1), 0)
             inv = torch.where(ok, inv, 0.0)
             norm = torch.where(ok, norm, 0.0)
-            counts = ok.long()
-            n_w = torch.zeros(n_win, dtype=torch.int64, device=h.device).index_add_(0, win, counts)
         if self.moments is not None:
             self.moments.add(layer, h, ok)
         x = h * inv.unsqueeze(1)  # (M, d) float64 û (type promotion: exact upcast, float64 product)
@@ -280,6 +277,15 @@ class TokenSums:
         if self.extra is not None:
             self.extra.add(layer, h, ok, m, n_w)
 
+    def _exclude(self, layer: int, finite: torch.Tensor, ok: torch.Tensor, win: torch.Tensor, n_win: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch with NaN/inf or zero vectors (finite, ok: (M,)): counts them per layer and returns
+        the rows' counts (1 where ok, else 0) and the vectors counted per window (n_win,)."""
+        self.nonfinite[layer] += (~finite).sum()
+        self.zero[layer] += (finite & ~ok).sum()
+        counts = ok.long()
+        return counts, torch.zeros(n_win, dtype=torch.int64, device=ok.device).index_add_(0, win, counts)
+
     CHUNK = 512  # rows per step of the CPU path: its float64 temporaries (2 MiB at d 512) stay in cache
 
     def _add_chunked(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
@@ -297,7 +303,7 @@ class TokenSums:
         u = torch.zeros(n_win, d, dtype=f64)  # Σû per window
         u2 = torch.zeros(d, dtype=f64)  # Σû² per dimension
         S = self.sums[layer]
-        oks, excluded = [], False  # per chunk: its finite non-zero rows (c,)
+        finites, oks, excluded = [], [], False  # per chunk: its finite rows, its finite non-zero rows (c,)
         for a in range(0, M, self.CHUNK):
             b = min(a + self.CHUNK, M)
             x = h[a:b].to(f64, copy=True)  # (c, d) exact upcast, never h itself (moments read h later)
@@ -305,11 +311,10 @@ class TokenSums:
             inv = norm.reciprocal()
             finite = torch.isfinite(norm)
             ok = finite & (norm > 0)  # (c,)
+            finites.append(finite)
             oks.append(ok)
-            if not bool(ok.all()):  # NaN/inf or zero vectors are counted, then zeroed out (the CPU: no sync to fear)
+            if not bool(ok.all()):  # NaN/inf or zero vectors are zeroed out, counted below (the CPU: no sync to fear)
                 excluded = True
-                self.nonfinite[layer] += (~finite).sum()
-                self.zero[layer] += (finite & ~ok).sum()
                 x.masked_fill_(~ok.unsqueeze(1), 0)
                 inv = torch.where(ok, inv, 0.0)
             m.index_add_(0, win[a:b], x)
@@ -320,8 +325,7 @@ class TokenSums:
         ok = torch.cat(oks)  # (M,)
         counts = self._ones
         if excluded:
-            counts = ok.long()
-            n_w = torch.zeros(n_win, dtype=torch.int64).index_add_(0, win, counts)
+            counts, n_w = self._exclude(layer, torch.cat(finites), ok, win, n_win)
             h = h.masked_fill(~ok.unsqueeze(1), 0)
         self.counts[layer].index_add_(0, index, counts)
         self._window_stats(layer, m, u, n_w, u2)
