@@ -161,6 +161,43 @@ def test_a_group_of_one_partial_folds_from_that_partial(tmp_path, small_chunks):
     assert validate(root) == []
 
 
+def test_a_lone_partials_rows_give_the_same_tables_as_folding_them(tmp_path, small_chunks, monkeypatch):
+    """A chunk holding one added partial's rows alone is taken as it is (no fold onto zeros); its
+    merged tables equal, number for number, those of the fold (forced here by an empty removal)."""
+    rng = np.random.default_rng(5)
+    root = tmp_path / "wh"
+    e = _partial(root, rng, "s0", "1-of-1")
+
+    def tables(dest):
+        st = merge.open_storage(dest)
+        out = merge.fold_group(root, "m", "c", "s0", None, [e], [], [e], dest=dest)
+        return {t: st.read_table(f).drop_columns(["source"]).sort_by(
+            [(c, "ascending") for c in ("layer", "token_id", "bucket") if c in st.read_table(f).column_names])
+            for t, f in out["files"].items()}
+
+    fold, token_folds = merge._fold, []
+
+    def spy(S, *a):  # the layer totals fold one row; a chunk of token rows many
+        token_folds.append(len(S) > 1)
+        return fold(S, *a)
+
+    monkeypatch.setattr(merge, "_fold", spy)
+    fast = tables(tmp_path / "fast")
+    assert token_folds and not any(token_folds)
+    general = merge._merge_chunk
+
+    def folded(o_stats, o_vecs, r_parts, a_parts, d, old):
+        empty = next(t for t in a_parts if t is not None).slice(0, 0)
+        return general(o_stats, o_vecs, [*r_parts, empty], a_parts, d, old)
+
+    monkeypatch.setattr(merge, "_merge_chunk", folded)
+    slow = tables(tmp_path / "slow")
+    assert any(token_folds)
+    assert set(fast) == set(slow) >= {"token_stats", "frequency_buckets", "layer_metrics"}
+    for t in fast:
+        assert fast[t].num_rows > 0 and fast[t].equals(slow[t]), t
+
+
 def test_replacing_a_partial_never_double_counts(tmp_path, small_chunks):
     rng = np.random.default_rng(7)
     root = tmp_path / "wh"

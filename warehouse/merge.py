@@ -179,7 +179,9 @@ class _TypeStats:
         self.buckets: dict[tuple[int, int], list] = {}
 
     def add(self, layer: int, n: np.ndarray, S: np.ndarray, sq: np.ndarray) -> None:
-        """n (m,), S (m, d) Σû and sq (m,) ‖Σû‖² of a chunk of merged token types."""
+        """n (m,), S (m, d) Σû and sq (m,) ‖Σû‖² of a chunk of merged token types.  S is read twice
+        (its row norms, then one product): the unit-vector sum Σ_t S_t/‖S_t‖ and the per-bucket sums
+        Σ S_t are the rows of P S, P (1 + buckets, m) holding 1/‖S_t‖ (0 where ‖S_t‖ = 0) and 0/1."""
         two = n >= 2
         nn = n[two].astype(np.float64)
         acc = self.intra.setdefault(layer, [0, 0.0])
@@ -188,15 +190,59 @@ class _TypeStats:
         norms = np.sqrt(_rowdot(S, S))
         nz = norms > 0
         self.types[layer] += int(nz.sum())
-        unit = self.unit.setdefault(layer, np.zeros(self.d))
-        unit += (S[nz] / norms[nz, None]).sum(0)
         bucket = np.frexp(n.astype(np.float64))[1] - 1  # ⌊log₂ n⌋, exact for n < 2⁵³
-        for b in np.unique(bucket):
-            sel = bucket == b
+        kinds, which = np.unique(bucket, return_inverse=True)  # (k,), (m,)
+        P = np.zeros((1 + len(kinds), len(n)))
+        np.divide(1.0, norms, out=P[0], where=nz)
+        P[1 + which.reshape(-1), np.arange(len(n))] = 1.0
+        sums = P @ S  # (1 + k, d)
+        unit = self.unit.setdefault(layer, np.zeros(self.d))
+        unit += sums[0]
+        for i, b in enumerate(kinds):
+            sel = which == i
             acc = self.buckets.setdefault((layer, int(b)), [0, 0, np.zeros(self.d)])
             acc[0] += int(sel.sum())
             acc[1] += int(n[sel].sum())
-            acc[2] += S[sel].sum(0)
+            acc[2] += sums[1 + i]
+
+
+def _merge_chunk(o_stats: pa.Table | None, o_vecs: pa.Table | None, r_parts: list, a_parts: list, d: int,
+                 old: dict | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One chunk of token ids: the merged (ids ascending (m,), n (m,), ‖Σû‖² (m,), Σû (m, d)) from the
+    old state's rows, minus the removed partials' rows, plus the added ones' (each None where it has
+    no row in the chunk).  A chunk holding one added partial's rows alone (a first commit, a rebuild
+    of a one-partial group) takes them as they are: folding them onto zeros gives the same numbers
+    (S = 0 + v; sum_sq + 2⟨0, v⟩ = sum_sq), without the zeroed arrays and scattered adds."""
+    present = [t for t in [o_stats, *r_parts, *a_parts] if t is not None]
+    added = [t for t in a_parts if t is not None]
+    if len(present) == 1 and len(added) == 1:
+        t = added[0]
+        ids = t.column("token_id").to_numpy()
+        if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):  # a partial's ids are distinct and sorted
+            return (ids, t.column("n").to_numpy().astype(np.int64, copy=False),
+                    t.column("sum_sq").to_numpy().astype(np.float64, copy=False), _matrix(t, d))
+    ids = np.unique(np.concatenate([t.column("token_id").to_numpy() for t in present]))
+    m = len(ids)
+    S = np.zeros((m, d))  # (m, d) merged Σû
+    n = np.zeros(m, np.int64)
+    sq = np.zeros(m)
+    if o_stats is not None:
+        pos = np.searchsorted(ids, o_stats.column("token_id").to_numpy())
+        if o_vecs is None or o_vecs.num_rows != o_stats.num_rows:
+            raise UserError(f"{old['files']['token_vectors']}: merged vectors do not match token_stats "
+                            "(run `python cli.py validate --fix`)")
+        S[pos] = _matrix(o_vecs, d)
+        n[pos] = o_stats.column("n").to_numpy()
+        sq[pos] = o_stats.column("sum_sq").to_numpy()
+    for sign, parts in ((-1, r_parts), (1, a_parts)):  # un-fold the replaced, fold the new
+        for t in (t for t in parts if t is not None):
+            pos = np.searchsorted(ids, t.column("token_id").to_numpy())
+            _fold(S, sq, pos, _matrix(t, d), t.column("sum_sq").to_numpy(), sign)
+            n[pos] += sign * t.column("n").to_numpy()
+    if (n < 0).any():
+        raise UserError("merged counts went negative while un-merging a replaced partial: the merged "
+                        "tables do not match their partials (run `python cli.py validate --fix`)")
+    return ids, n, sq, S
 
 
 def _fold_tokens(st: Storage, key: dict, old: dict | None, adds: list[dict], removes: list[dict],
@@ -247,30 +293,10 @@ def _fold_tokens(st: Storage, key: dict, old: dict | None, adds: list[dict], rem
             o_vecs = old_vecs.take(hi) if old_vecs else None
             r_parts = [s.take(hi) for s in rms]
             a_parts = [s.take(hi) for s in ads]
-            present = [t for t in [o_stats, *r_parts, *a_parts] if t is not None]
-            ids = np.unique(np.concatenate([t.column("token_id").to_numpy() for t in present]))
-            m = len(ids)
-            S = np.zeros((m, d))  # (m, d) merged Σû
-            n = np.zeros(m, np.int64)
-            sq = np.zeros(m)
-            if o_stats is not None:
-                pos = np.searchsorted(ids, o_stats.column("token_id").to_numpy())
-                if o_vecs is None or o_vecs.num_rows != o_stats.num_rows:
-                    raise UserError(f"{old['files']['token_vectors']}: merged vectors do not match token_stats "
-                                    "(run `python cli.py validate --fix`)")
-                S[pos] = _matrix(o_vecs, d)
-                n[pos] = o_stats.column("n").to_numpy()
-                sq[pos] = o_stats.column("sum_sq").to_numpy()
-            for sign, parts in ((-1, r_parts), (1, a_parts)):  # un-fold the replaced, fold the new
-                for t in (t for t in parts if t is not None):
-                    pos = np.searchsorted(ids, t.column("token_id").to_numpy())
-                    _fold(S, sq, pos, _matrix(t, d), t.column("sum_sq").to_numpy(), sign)
-                    n[pos] += sign * t.column("n").to_numpy()
-            if (n < 0).any():
-                raise UserError("merged counts went negative while un-merging a replaced partial: the merged "
-                                "tables do not match their partials (run `python cli.py validate --fix`)")
+            ids, n, sq, S = _merge_chunk(o_stats, o_vecs, r_parts, a_parts, d, old)
             keep = n > 0
-            ids, n, sq, S = ids[keep], n[keep], sq[keep], S[keep]
+            if not keep.all():  # (a copy of S only where a type's count went to zero)
+                ids, n, sq, S = ids[keep], n[keep], sq[keep], S[keep]
             if not len(ids):
                 continue
             lay = np.full(len(ids), layer, np.int16)
