@@ -54,7 +54,7 @@ def extract(
     seq_length: int = typer.Option(2049, help="Tokens per row of pythia: sources; the model saw the first seq-length − 1."),
     text_column: str = typer.Option("text", help="The column of hf: dataset sources that holds the text."),
     encoding_errors: str = typer.Option("strict", help="Lines that are not UTF-8: strict (fail, naming the line) | replace | skip (both counted)."),
-    vector_dtype: str = typer.Option("float32", help="Storage of per-token sum vectors: float32 | float64 (exact merges, 2x bytes) | float16 (half the bytes)."),
+    vector_dtype: str = typer.Option("float32", help="Storage of per-token sum vectors: float32 | float64 (exact merges, 2x bytes) | float16 (half the bytes; a partial whose sums would overflow float16 is stored in float32, with a warning)."),
     params_only: bool = typer.Option(False, "--params-only", help="Write only the parameter tables (no data)."),
     accumulator_device: Optional[str] = typer.Option(None, help="Where the float64 sums live (default: --device); 'cpu' frees GPU memory for big models."),
     moments: bool = typer.Option(True, "--moments/--no-moments", help="Store Σh, Σhhᵀ per layer (float64 sums, d² per layer) for anisotropy, IsoScore, PCA, effective rank, αReQ (on by default)."),

@@ -264,7 +264,7 @@ def main() -> None:
             for vdt in ("float32", "float16"):
                 settings = Settings(device=args.device, vector_dtype=vdt)
                 t0 = time.perf_counter()
-                files = write_sums(tmp / f"wh-{vdt}", loaded, Source("bench", tmp), settings, acc, "bench")
+                files, _ = write_sums(tmp / f"wh-{vdt}", loaded, Source("bench", tmp), settings, acc, "bench")
                 dt = time.perf_counter() - t0
                 size = sum((tmp / f"wh-{vdt}" / f).stat().st_size for f in files.values())
                 types = acc.used

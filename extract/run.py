@@ -117,6 +117,7 @@ class SourceResult:
     seconds: float = 0.0
     spills: int = 0  # times the token sums were spilled to stay under the memory budget
     accumulator_peak_bytes: int = 0
+    vector_dtype: str | None = None  # the token vectors as stored: --vector-dtype, float32 where float16 overflows
     files: dict = field(default_factory=dict)
 
 
@@ -534,22 +535,64 @@ def accumulate_split(loaded: Loaded, source: Source, settings: Settings) -> list
         raise
 
 
+class _Float16Overflow(Exception):
+    """A token sum has a component beyond float16's range."""
+
+
+def _token_rows(writer: store.TableWriter, acc: TokenSums, n_layers: int, key: dict, vector_dtype: str
+                ) -> list[tuple[np.ndarray, int]]:
+    """Writes every layer's token rows (vectors in `vector_dtype`); returns per layer Σ_t Σû (d,)
+    float64 and the vectors counted.  Raises _Float16Overflow at the first float16 vector with an
+    infinite component (a token type counted more than 65,504 times can reach it: |Σû| ≤ n_t)."""
+    vec_np = {"float64": np.float64, "float32": np.float32, "float16": np.float16}[vector_dtype]
+    totals = []
+    for layer in range(n_layers):
+        total = np.zeros(acc.d, dtype=np.float64)  # (d,)
+        n_total = 0
+        for ids, counts, S in acc.layer_rows(layer):  # (m,), (m,), (m, d) float64
+            m = len(ids)
+            with np.errstate(over="ignore"):
+                V = S.astype(vec_np)  # (m, d)
+            if vec_np is np.float16 and np.isinf(V).any():
+                raise _Float16Overflow
+            writer.write({
+                **{k: [v] * m for k, v in key.items()},
+                "layer": np.full(m, layer, np.int16), "token_id": ids.astype(np.int32),
+                "n": counts, "sum_sq": np.einsum("ij,ij->i", S, S), "vec": store.list_array(V),
+            })
+            total += S.sum(0)
+            n_total += int(counts.sum())
+        totals.append((total, n_total))
+    return totals
+
+
 def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: TokenSums,
-               run_id: str) -> dict[str, str]:
+               run_id: str) -> tuple[dict[str, str], str]:
     """token_sums and layer_sums of one (checkpoint, source, shard), one Parquet file each,
-    written in chunks of token types (memory bounded whatever V and d are)."""
+    written in chunks of token types (memory bounded whatever V and d are).  Returns the files and
+    the dtype the token vectors were stored in: --vector-dtype, except float16 where a sum would
+    overflow it (then float32, the file written again; the entry's stats say so)."""
     values = {"model": loaded.ref.name, "checkpoint": loaded.checkpoint, "source": source.name,
               "shard": f"{settings.shard[0]}-of-{settings.shard[1]}"}
     key = {**values, "step": loaded.step}
     kinds = layer_kinds(loaded.model, loaded.layout)
-    vec_np = {"float64": np.float64, "float32": np.float32, "float16": np.float16}[settings.vector_dtype]
-    tok_schema = schema.TOKEN_SUMS.set(
-        schema.TOKEN_SUMS.get_field_index("vec"),
-        pa.field("vec", schema.vector_type(settings.vector_dtype), nullable=False),
-    )
-    writers = [store.TableWriter(root, "token_sums", values, run_id, tok_schema),
-               store.TableWriter(root, "layer_sums", values, run_id)]
+
+    def token_writer(vector_dtype: str) -> store.TableWriter:
+        return store.TableWriter(root, "token_sums", values, run_id, schema.TOKEN_SUMS.set(
+            schema.TOKEN_SUMS.get_field_index("vec"),
+            pa.field("vec", schema.vector_type(vector_dtype), nullable=False)))
+
+    stored = settings.vector_dtype
+    writers = [token_writer(stored)]
     try:
+        try:
+            totals = _token_rows(writers[0], acc, len(kinds), key, stored)
+        except _Float16Overflow:
+            writers[0].abort()
+            stored = "float32"
+            writers[0] = token_writer(stored)
+            totals = _token_rows(writers[0], acc, len(kinds), key, stored)
+        writers.append(store.TableWriter(root, "layer_sums", values, run_id))
         layer_rows = {k: [] for k in ("layer", "layer_kind", "n_layers", "n", "sum_sq", "n_nonfinite",
                                       "n_zero", "vec", "sum_h", "sum_u2", "windows", "window_cos",
                                       *schema.WINDOW_SCALARS)}
@@ -559,18 +602,7 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
         sum_h, sum_u2 = acc.sum_h.cpu().numpy(), acc.sum_u2.cpu().numpy()
         windows, window_cos = acc.windows.cpu().numpy(), acc.window_cos.cpu().numpy()
         for layer, kind in enumerate(kinds):
-            total = np.zeros(loaded.d, dtype=np.float64)  # (d,)
-            n_total = 0
-            for ids, counts, S in acc.layer_rows(layer):  # (m,), (m,), (m, d) float64
-                m = len(ids)
-                vec = store.list_array(S.astype(vec_np))
-                writers[0].write({
-                    **{k: [v] * m for k, v in key.items()},
-                    "layer": np.full(m, layer, np.int16), "token_id": ids.astype(np.int32),
-                    "n": counts, "sum_sq": np.einsum("ij,ij->i", S, S), "vec": vec,
-                })
-                total += S.sum(0)
-                n_total += int(counts.sum())
+            total, n_total = totals[layer]
             layer_rows["layer"].append(layer)
             layer_rows["layer_kind"].append(kind)
             layer_rows["n_layers"].append(len(kinds))
@@ -626,7 +658,7 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
                          "position": smp.meta[:, 1].numpy(), "token_id": smp.meta[:, 2].numpy().astype(np.int32),
                          "vec": list(smp.vecs[layer].numpy())})
             files["samples"] = w.close()
-        return files
+        return files, stored
     except BaseException:
         for w in writers:
             w.abort()
@@ -791,7 +823,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                     for sub, result, acc in parts:  # one value's sums written, then freed
                         spent["forward"] = spent.get("forward", 0.0) + result.seconds
                         t = time.perf_counter()
-                        result.files = write_sums(root, loaded, sub, settings, acc, run_id)
+                        result.files, result.vector_dtype = write_sums(root, loaded, sub, settings, acc, run_id)
                         spent["write"] = spent.get("write", 0.0) + time.perf_counter() - t
                         written += result.files.values()
                         acc.close()
@@ -811,6 +843,9 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                         log(f"warning: {sub.name}: {result.skipped_lines} lines had bytes that are not UTF-8 (skipped)")
                     if result.nonfinite:
                         log(f"warning: {sub.name}: {result.nonfinite} NaN/inf activations counted and excluded")
+                    if result.vector_dtype != settings.vector_dtype:
+                        log(f"warning: {sub.name}: a token's sum of unit vectors exceeds {settings.vector_dtype}'s range "
+                            f"(it occurs more than 65,504 times): its vectors are stored in {result.vector_dtype}")
                 done_here += len(parts)
             t = time.perf_counter()
             if entries:  # nothing when the parameter tables were kept and no source was left

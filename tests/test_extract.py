@@ -99,6 +99,46 @@ def test_fp16_overflow_in_a_model_is_counted_per_layer(workdir, sources, model_f
     assert "Excluded activations" in page and "<td>3</td><td>200</td>" in page  # layer 3, 200 NaN/inf
 
 
+def test_float16_vectors_that_would_overflow_are_stored_in_float32(workdir, model_factory):
+    """--vector-dtype float16 and a token counted 70,000 times whose layer-0 vector is e₀: its Σû has
+    a component of 70,000 > 65,504, so that partial's vectors are stored in float32 (a warning, the
+    entry says so) and the merged Intra-Sim with another source's occurrences stays exact (1: every
+    occurrence is the same vector); a partial that fits stays float16."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from warehouse import store
+
+    path = workdir / "models" / "axis"
+    shutil.copytree(model_factory("gpt_neox", tied=False), path)
+    tok = AutoTokenizer.from_pretrained(path)
+    word = next(w for w in tiny.WORDS if len(tok(f" {w} {w}")["input_ids"]) == 2 == len(set(tok(f" {w} {w}")["input_ids"])) + 1)
+    tid = tok(f" {word}")["input_ids"][0]
+    w = load_file(path / "model.safetensors")
+    w["gpt_neox.embed_in.weight"][tid] = 0.0
+    w["gpt_neox.embed_in.weight"][tid, 0] = 1.0  # layer 0 (the embedding; rotary: no position term) is e₀
+    save_file(w, path / "model.safetensors", metadata={"format": "pt"})
+    many, few = workdir / "word-many.txt", workdir / "word-few.txt"
+    many.write_text("".join(f" {word}" * 500 + "\n" for _ in range(140)))  # 70,000
+    few.write_text(f" {word}" * 60 + "\n")
+    wh = workdir / "f16-wh"
+    code, _, err = run_cli("extract", "--model", path, "--source", f"many={many}", "--source", f"few={few}",
+                           "--warehouse", wh, "--max-length", 64, "--vector-dtype", "float16", "--no-moments")
+    assert code == 0, err
+    assert "warning: many: a token's sum of unit vectors exceeds float16's range" in err and "warning: few" not in err
+    entries = {e["source"]: e for e in store.read_manifest(wh)["entries"].values() if e["kind"] == "data"}
+    assert entries["many"]["stats"]["vector_dtype"] == "float32" and entries["few"]["stats"]["vector_dtype"] == "float16"
+    for source, want in (("many", pa.float32()), ("few", pa.float16())):
+        assert pq.read_schema(wh / entries[source]["files"]["token_sums"]).field("vec").type.value_type == want
+    con = connect(wh)
+    n, intra = con.execute(f"SELECT n, intra_sim FROM intra_sim WHERE layer = 0 AND token_id = {tid}").fetchone()
+    assert n > 65_504 and intra == pytest.approx(1.0, abs=1e-12)
+    assert con.execute("SELECT count(*) FROM (SELECT unnest(vec) AS x FROM token_sums) WHERE NOT isfinite(x)"
+                       ).fetchone()[0] == 0
+
+
 def _docs(path, **kw):
     return list(documents(Source("s", path, kw.get("pile_set")), kw.get("shard", (1, 1)), ReadStats()))
 

@@ -92,11 +92,13 @@ def _sql_str(s: str) -> str:
 
 
 def _vector_schema(table: str, arrow_schema, entries: list[dict]):
-    """token_sums' vec is float16/32/64 by --vector-dtype: the widest the files hold."""
+    """token_sums' vec is float16/32/64 by --vector-dtype (float32 where float16 would overflow: the
+    entry's stats say what was stored): the widest the files hold."""
     if table != "token_sums":
         return arrow_schema
     widths = {"float16": 0, "float32": 1, "float64": 2}
-    widest = max((e.get("settings", {}).get("vector_dtype") or "float32" for e in entries), key=widths.get)
+    widest = max((e.get("stats", {}).get("vector_dtype") or e.get("settings", {}).get("vector_dtype") or "float32"
+                  for e in entries), key=widths.get)
     i = arrow_schema.get_field_index("vec")
     return arrow_schema.set(i, arrow_schema.field(i).with_type(schema.vector_type(widest)))
 
