@@ -88,6 +88,41 @@ class Source:
         return f"built-in {self.name}" if self.builtin else str(self.path)
 
 
+def _stdlib_files(root: Path, skip: set[str]) -> list[Path]:
+    """The .py files under root, no directory named in skip on their path, sorted as Paths sort."""
+    import os
+
+    files = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip]  # pruned, not walked (site-packages is large)
+        files += [Path(folder, n) for n in names if n.endswith(".py") and n not in skip]
+    return sorted(files)
+
+
+_BLOCKS = ("stmt", "excepthandler", "match_case")  # the nodes that can hold statements
+
+
+def _definitions(tree):
+    """Module, class and function nodes in `ast.walk`'s breadth-first order, without visiting
+    expressions: no expression holds a statement, so leaving their subtrees out changes neither
+    the depth nor the relative order of the definitions."""
+    import ast
+    from collections import deque
+
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    blocks = tuple(getattr(ast, k) for k in _BLOCKS)
+    todo = deque([tree])
+    while todo:
+        node = todo.popleft()
+        for _, value in ast.iter_fields(node):
+            if isinstance(value, list):
+                todo.extend(v for v in value if isinstance(v, blocks))
+            elif isinstance(value, blocks):
+                todo.append(value)
+        if isinstance(node, kinds):
+            yield node
+
+
 @functools.lru_cache(maxsize=1)
 def stdlib_docstrings() -> tuple[str, ...]:
     """Docstrings of the installed standard library, in a fixed order (sorted files, AST order)."""
@@ -97,16 +132,15 @@ def stdlib_docstrings() -> tuple[str, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
     docs = []
-    for path in sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)):
+    for path in _stdlib_files(root, skip):
         try:
             tree = ast.parse(path.read_bytes())
         except (SyntaxError, ValueError, OSError):
             continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and doc.strip():
-                    docs.append(doc.strip())
+        for node in _definitions(tree):
+            doc = ast.get_docstring(node)
+            if doc and doc.strip():
+                docs.append(doc.strip())
     return tuple(docs)
 
 
