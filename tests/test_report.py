@@ -212,3 +212,40 @@ def test_a_real_browser_renders_every_chart_offline(full_report, tmp_path):
     assert len(colours) > 50  # lines, bars, text: not a blank page
     # the Okabe-Ito blue of the first series is on screen
     assert any(abs(r - 0) < 20 and abs(g - 114) < 20 and abs(b - 178) < 20 for _, (r, g, b) in colours)
+
+
+def test_charts_drawn_once_equal_what_altair_saves(tmp_path):
+    """A chart's SVG and PNG, from one validated spec and one Vega layout (the PNG rasterised from the
+    SVG), are the bytes `chart.save` writes for each."""
+    import altair as alt
+
+    data = pl.DataFrame({"layer": list(range(6)) * 2, "inter_sim": [0.1 * i for i in range(12)],
+                         "model": ["tied"] * 6 + ["untied é"] * 6})
+    chart = rep._configure(alt.Chart(data).mark_line(point=True).encode(x="layer:O", y="inter_sim:Q",
+                                                                         color="model:N"))
+    fig = rep.Figure("f", "t", "c", chart=chart, data=data)
+    rep._draw(fig, tmp_path, png=True)
+    chart.save(str(tmp_path / "alt.svg"))
+    chart.save(str(tmp_path / "alt.png"), scale_factor=2)
+    assert (tmp_path / "f.svg").read_text(encoding="utf-8") == (tmp_path / "alt.svg").read_text(encoding="utf-8")
+    assert (tmp_path / "f.png").read_bytes() == (tmp_path / "alt.png").read_bytes()
+    assert fig.spec == chart.to_dict()
+
+
+def test_the_vega_bundle_is_cached_per_version_and_an_unwritable_cache_is_only_slower(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rep._js_bundle.cache_clear()
+    try:
+        bundle = rep._js_bundle()
+        [kept] = (tmp_path / "cache" / "isotropy-warehouse").iterdir()
+        assert kept.name.startswith("vega-bundle-") and kept.read_text(encoding="utf-8") == bundle
+        assert "vegaEmbed" in bundle
+        kept.write_text("/* from the cache */", encoding="utf-8")
+        rep._js_bundle.cache_clear()
+        assert rep._js_bundle() == "/* from the cache */"  # read, not rebuilt
+        (tmp_path / "file").write_text("")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # a cache under a file: cannot be made
+        rep._js_bundle.cache_clear()
+        assert rep._js_bundle() == bundle
+    finally:
+        rep._js_bundle.cache_clear()

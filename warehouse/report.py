@@ -689,7 +689,7 @@ def _draw(fig: Figure, out: Path, png: bool) -> None:
 
     fig.spec = fig.chart.to_dict()
     svg = vlc.vegalite_to_svg(fig.spec, vl_version=_vl_version())
-    (out / f"{fig.id}.svg").write_text(svg)
+    (out / f"{fig.id}.svg").write_text(svg, encoding="utf-8")
     if png:
         (out / f"{fig.id}.png").write_bytes(vlc.svg_to_png(svg, scale=2, ppi=72))
 
@@ -707,14 +707,14 @@ def _js_bundle() -> str:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "isotropy-warehouse"
     path = cache / f"vega-bundle-{version}.js"
     try:
-        return path.read_text()
+        return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         pass
     bundle = vlc.javascript_bundle(vl_version=_vl_version())
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(bundle)
+        tmp.write_text(bundle, encoding="utf-8")
         os.replace(tmp, path)  # whole or absent, whatever runs beside it
     except OSError:
         pass
