@@ -95,11 +95,8 @@ def _stdlib_files(root: Path, skip: set[str]) -> list[Path]:
     files = []
     for folder, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if d not in skip]  # pruned, not walked (site-packages is large)
-        files += [Path(folder, n) for n in names if n.endswith(".py") and n not in skip]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
     return sorted(files)
-
-
-_BLOCKS = ("stmt", "excepthandler", "match_case")  # the nodes that can hold statements
 
 
 def _definitions(tree):
@@ -110,7 +107,7 @@ def _definitions(tree):
     from collections import deque
 
     kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-    blocks = tuple(getattr(ast, k) for k in _BLOCKS)
+    blocks = (ast.stmt, ast.excepthandler, ast.match_case)  # the nodes that can hold statements
     todo = deque([tree])
     while todo:
         node = todo.popleft()

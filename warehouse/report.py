@@ -712,10 +712,7 @@ def _js_bundle() -> str:
         pass
     bundle = vlc.javascript_bundle(vl_version=_vl_version())
     try:
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(bundle, encoding="utf-8")
-        os.replace(tmp, path)  # whole or absent, whatever runs beside it
+        store.atomic_write_bytes(cache, path.name, bundle.encode())  # whole or absent, whatever runs beside it
     except OSError:
         pass
     return bundle
