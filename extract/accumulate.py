@@ -41,7 +41,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from common.errors import UserError
+from isotropy_warehouse.errors import UserError
 
 PRECISIONS = ("float32", "float64", "bfloat16")  # of the moments' per-batch products
 SCATTERS = ("atomic", "segment")  # how the per-token sums are added (TokenSums)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.errors import UserError
+from isotropy_warehouse.errors import UserError
 
 ROLES = ("embedding", "blocks", "final_norm", "unembedding")
 

@@ -17,7 +17,7 @@ import datetime as _dt
 import os
 from dataclasses import dataclass
 
-from common.errors import UserError
+from isotropy_warehouse.errors import UserError
 
 
 @dataclass(frozen=True)

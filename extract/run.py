@@ -24,8 +24,8 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-from common import faults
-from common.errors import UserError
+from isotropy_warehouse import faults
+from isotropy_warehouse.errors import UserError
 from warehouse import merge, query, schema, store
 from warehouse.storage import open_storage
 

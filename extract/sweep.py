@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from common.errors import UserError
+from isotropy_warehouse.errors import UserError
 from warehouse.storage import durable_temp
 
 if sys.version_info >= (3, 11):
@@ -279,12 +279,13 @@ def plan_id(sweep: Sweep, plan: list[Unit]) -> str:
     return hashlib.blake2b(body.encode(), digest_size=6).hexdigest()
 
 
-def commands(sweep: Sweep, plan: list[Unit], cli: str = "cli.py", warehouse: str | None = None) -> list[str]:
-    """The `cli.py extract` command line of every unit: the same runs by hand."""
+def commands(sweep: Sweep, plan: list[Unit], cli: tuple[str, ...] = ("cli.py",), warehouse: str | None = None) -> list[str]:
+    """The `cli.py extract` command line of every unit: the same runs by hand (`cli`: what follows `python`,
+    the checkout's cli.py or `-m isotropy_warehouse`)."""
     out = []
     for u in plan:
         source = next((s for s in sweep.sources if s.name == u.source), None)
-        args = ["python", cli, "extract", "--model", u.model, "--checkpoint", u.checkpoint]
+        args = ["python", *cli, "extract", "--model", u.model, "--checkpoint", u.checkpoint]
         if source is not None:
             args += ["--source", source.spec]
         args += ["--shard", f"{u.shard[0]}/{u.shard[1]}", "--warehouse", warehouse or sweep.warehouse, "--skip-done"]
@@ -317,7 +318,7 @@ def array_spec(indices: list[int]) -> str:
     return ",".join(parts)
 
 
-def slurm_script(sweep: Sweep, todo: list[int], pid: str, cli: Path, python: str, cwd: Path,
+def slurm_script(sweep: Sweep, todo: list[int], pid: str, cli: tuple[str, ...], python: str, cwd: Path,
                  warehouse: str | None, written: str, total: int) -> str:
     """A job array whose task i runs unit i of the plan (the units still to run)."""
     job = sweep.slurm.get("job_name", "isotropy-sweep")
@@ -335,7 +336,7 @@ def slurm_script(sweep: Sweep, todo: list[int], pid: str, cli: Path, python: str
     lines += [f"#SBATCH {line}" for line in sweep.slurm.get("sbatch", [])]
     lines += ["set -euo pipefail", f"cd {shlex.quote(str(cwd))}"]
     lines += list(sweep.slurm.get("setup", []))
-    run = [python, str(cli), "sweep", str(sweep.path.resolve())]
+    run = [python, *cli, "sweep", str(sweep.path.resolve())]
     if warehouse is not None:
         run += ["--warehouse", warehouse]
     lines.append("exec " + shlex.join(run) + ' --task "$SLURM_ARRAY_TASK_ID" --plan-id ' + pid)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from common.errors import UserError
+from isotropy_warehouse.errors import UserError
 from .sources import ReadStats, Source, documents
 
 

@@ -19,7 +19,7 @@ import tiny
 from conftest import run_cli
 from extract import accumulate
 from extract.accumulate import Moments, TokenSums
-from common.errors import UserError
+from isotropy_warehouse.errors import UserError
 from extract.models import paper_checkpoints, parse_step, resolve_model
 from extract.sources import ReadStats, Source, SentenceSplitter, documents, parse_shard
 from warehouse.query import connect

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from common.errors import UserError
+from isotropy_warehouse.errors import UserError
 from conftest import ROOT, run_cli
 from warehouse import merge, store
 from warehouse.query import connect
@@ -357,18 +357,18 @@ def test_kill_9_during_compaction(moments_wh, workdir, point, after):
 # ---------------------------------------------------------------- layering
 
 LAYERS = {  # module → the project modules it may import
-    "common": set(),
-    "warehouse.storage": {"common"},
-    "warehouse.schema": {"common"},
+    "isotropy_warehouse": set(),
+    "warehouse.storage": {"isotropy_warehouse"},
+    "warehouse.schema": {"isotropy_warehouse"},
     "warehouse.measures": set(),
-    "warehouse.store": {"common", "warehouse.storage", "warehouse.schema"},
-    "warehouse.merge": {"common", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.measures"},
-    "warehouse.query": {"common", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge"},
-    "warehouse.validate": {"common", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge",
+    "warehouse.store": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema"},
+    "warehouse.merge": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.measures"},
+    "warehouse.query": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge"},
+    "warehouse.validate": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge",
                            "warehouse.query"},
-    "warehouse.pull": {"common", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge",
+    "warehouse.pull": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge",
                        "warehouse.query"},
-    "warehouse.report": {"common", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.query",
+    "warehouse.report": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.query",
                          "warehouse.measures"},
 }
 
@@ -385,19 +385,20 @@ def _imports(path: Path, package: str) -> set[str]:
                 out |= {mod} if node.module else {f"{base}.{a.name}" for a in node.names}
             else:
                 out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return {m for m in out if m.split(".")[0] in ("common", "warehouse", "extract")}
+    return {m for m in out if m.split(".")[0] in ("isotropy_warehouse", "warehouse", "extract")}
 
 
 def _project(name: str) -> str:
     parts = name.split(".")
-    return "common" if parts[0] == "common" else ".".join(parts[:2])
+    return "isotropy_warehouse" if parts[0] == "isotropy_warehouse" else ".".join(parts[:2])
 
 
 def test_layers_import_only_below_themselves():
-    for path in sorted((ROOT / "warehouse").glob("*.py")) + sorted((ROOT / "common").glob("*.py")):
-        mod = path.stem if path.parent.name == "common" else f"warehouse.{path.stem}"
-        if mod in ("warehouse.__init__",) or path.parent.name == "common":
-            assert not {_project(m) for m in _imports(path, path.parent.name)} - {"common"}, path
+    shared = [ROOT / "isotropy_warehouse" / n for n in ("__init__.py", "errors.py", "faults.py")]
+    for path in sorted((ROOT / "warehouse").glob("*.py")) + shared:
+        mod = path.stem if path.parent.name == "isotropy_warehouse" else f"warehouse.{path.stem}"
+        if mod in ("warehouse.__init__",) or path.parent.name == "isotropy_warehouse":
+            assert not {_project(m) for m in _imports(path, path.parent.name)} - {"isotropy_warehouse"}, path
             continue
         used = {_project(m) for m in _imports(path, "warehouse")} - {mod, "warehouse.__init__", "warehouse"}
         assert not any(m.startswith("extract") for m in used), f"{path.name} imports extract/"

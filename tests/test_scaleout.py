@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from common.errors import UserError
+from isotropy_warehouse.errors import UserError
 from conftest import ROOT, run_cli, same_numbers, views
 from extract.launch import Launch, detect, device_for
 

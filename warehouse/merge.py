@@ -41,8 +41,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from common import faults
-from common.errors import UserError
+from isotropy_warehouse import faults
+from isotropy_warehouse.errors import UserError
 
 from . import schema, store
 from .storage import Storage, open_storage

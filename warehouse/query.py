@@ -22,7 +22,7 @@ from pathlib import Path
 import duckdb
 import pyarrow.dataset as ds
 
-from common.errors import UserError
+from isotropy_warehouse.errors import UserError
 
 from . import merge, schema, store
 from .storage import open_storage

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from common.errors import UserError
+from isotropy_warehouse.errors import UserError
 
 _OPEN: dict[str, "Storage"] = {}  # one probed S3 storage per URL and process
 

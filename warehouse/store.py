@@ -31,8 +31,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from common import faults
-from common.errors import UserError
+from isotropy_warehouse import faults
+from isotropy_warehouse.errors import UserError
 
 from . import schema
 from .storage import Storage, open_storage

@@ -1,0 +1,431 @@
+"""Command line: parse options, call library functions.  Run `isotropy-warehouse --help` (or `python cli.py --help` in a checkout)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+import typer.core
+
+from isotropy_warehouse.errors import UserError
+
+typer.core.HAS_RICH = False  # usage errors as plain text: "Error: Invalid value for ..." on one line
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Extract-then-query warehouse for the isotropy of transformer language models.")
+
+WAREHOUSE = typer.Option("warehouse", "--warehouse", "-w",
+                         help="Warehouse directory, or s3://bucket/prefix (endpoint, keys, region from AWS_ENDPOINT_URL, "
+                              "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION).")
+
+
+def _launcher() -> tuple[str, ...]:
+    """What follows `python` to run this command line again: the checkout's cli.py, else the installed package."""
+    script = Path(__file__).resolve().parent.parent / "cli.py"
+    return (str(script),) if script.is_file() else ("-m", "isotropy_warehouse")
+
+
+def fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def extract(
+    model: str = typer.Option(..., "--model", "-m", help="Pythia alias (pythia-70m … pythia-12b[-deduped]), 'minilm', a local directory or a hub id."),
+    checkpoint: Optional[List[str]] = typer.Option(None, "--checkpoint", "-c", help="Revision(s), e.g. step143000 (repeatable). Default: the final weights ('main')."),
+    checkpoints: Optional[str] = typer.Option(None, "--checkpoints", help="COUNT evenly spaced Pythia steps (21 = the paper's); for a local directory COUNT evenly spaced of its stepN sub-directories, or 'all'."),
+    source: Optional[List[str]] = typer.Option(None, "--source", "-s", help="NAME=PATH (.txt, .jsonl, .jsonl.zst, .json.gz, .parquet), NAME=hf:ID_OR_DIR[:CONFIG][@REVISION] (a Hugging Face dataset: hub id, save_to_disk or data directory; --split, --text-column), NAME=pythia:PREFIX (Pythia's pre-tokenised training rows PREFIX.bin/.idx; --steps), or a built-in (stdlib-docs); repeatable."),
+    warehouse: str = WAREHOUSE,
+    unit: str = typer.Option("document", help="document | sentence (the paper's unit; pysbd splits)."),
+    max_length: Optional[int] = typer.Option(None, help="Tokens per window (default: the model's context)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Stop each source after N tokens."),
+    batch_size: Optional[int] = typer.Option(None, help="Windows per forward pass: alone, exactly N (the old fixed-count batches); with --batch-tokens, at most N."),
+    batch_tokens: Optional[int] = typer.Option(None, help="Padded tokens per forward pass at most, windows sorted by length so padding stays small (default: 8 full windows and at least 4,096: 4,096 at --max-length 512, 16,384 at 2,048)."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: bfloat16 on cuda, float32 on cpu)."),
+    shard: Optional[str] = typer.Option(None, help="I/N: process a deterministic 1/N of each source's documents. Default: from torchrun (RANK+1 of WORLD_SIZE), a Slurm job array (task of count), else 1/1."),
+    pile_set: Optional[List[str]] = typer.Option(None, help="Keep only Pile documents with this meta.pile_set_name. Repeatable: several values make each its own source NAME.VALUE in one read (as --split-by meta.pile_set_name, keeping only those values)."),
+    split_by: Optional[str] = typer.Option(None, help="FIELD (a dotted path, e.g. meta.pile_set_name, or a Parquet / dataset column): each distinct value becomes its own source NAME.VALUE, all from one read of the file (docs/extract.md, 'One read, many sources')."),
+    split_limit: int = typer.Option(64, help="At most this many distinct --split-by values per source (each holds its own sums: moments are 2·L·d² float64 per value)."),
+    split: str = typer.Option("train", help="The split of hf: dataset sources."),
+    steps: Optional[str] = typer.Option(None, help="A:B: the training steps (inclusive) of pythia: sources."),
+    rows_per_step: int = typer.Option(1024, help="Rows per training step of pythia: sources (Pythia: 1,024)."),
+    seq_length: int = typer.Option(2049, help="Tokens per row of pythia: sources; the model saw the first seq-length − 1."),
+    text_column: str = typer.Option("text", help="The column of hf: dataset sources that holds the text."),
+    encoding_errors: str = typer.Option("strict", help="Lines that are not UTF-8: strict (fail, naming the line) | replace | skip (both counted)."),
+    vector_dtype: str = typer.Option("float32", help="Storage of per-token sum vectors: float32 | float64 (exact merges, 2x bytes) | float16 (half the bytes; a partial whose sums would overflow float16 is stored in float32, with a warning)."),
+    params_only: bool = typer.Option(False, "--params-only", help="Write only the parameter tables (no data)."),
+    accumulator_device: Optional[str] = typer.Option(None, help="Where the float64 sums live (default: --device); 'cpu' frees GPU memory for big models."),
+    moments: bool = typer.Option(True, "--moments/--no-moments", help="Store Σh, Σhhᵀ per layer (float64 sums, d² per layer) for anisotropy, IsoScore, PCA, effective rank, αReQ (on by default)."),
+    cross_moments: bool = typer.Option(False, "--cross-moments/--no-cross-moments", help="Also Σ h_l h_{l+1}ᵀ per pair of consecutive layers (d² more per layer) for linearity, CKA and Procrustes (opt-in: +5–9% whole-process time on the CPU benchmark, where it more than doubles the moments' arithmetic; docs/measures.md)."),
+    moments_precision: Optional[str] = typer.Option(None, help="Per-batch d×d products of the moments, added into float64 sums: float32 (rows shifted by a centre; ~1e-7 relative) | bfloat16 (the bf16 hidden states' exact products on tensor cores, float32 accumulation; needs --dtype bfloat16) | float64 (exact products, slowest). Default: bfloat16 on cuda with --dtype bfloat16, else float32. Errors measured: docs/performance.md."),
+    scatter: str = typer.Option("atomic", help="How per-token sums are added: atomic (scatter-add; on cuda one compiled step per layer) | segment (the batch's rows sorted by token once, summed per run, one write per distinct token: no atomic contention on frequent tokens). Same sums to float64 rounding; a choice for speed on GPUs (docs/performance.md)."),
+    sequences: Optional[bool] = typer.Option(None, "--sequences/--no-sequences", help="Also the per-window measures: moments of mean-, last- and normalised-mean-pooled window vectors (sequence_spectrum, dataset_entropy), curvature, massive activations (opt-in: +6% whole-process time on the CPU benchmark; docs/measures.md)."),
+    prompt_entropy: bool = typer.Option(False, "--prompt-entropy", help="Also the prompt entropy of every window (one eigendecomposition per window and layer; implies --sequences; cost in docs/measures.md)."),
+    sample: int = typer.Option(0, help="Also keep a mergeable bottom-k sample of K token vectors per layer (intrinsic dimension)."),
+    skip_done: bool = typer.Option(False, "--skip-done", help="Keep runs already in the warehouse with the same settings and data (resume a sweep) instead of replacing them."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub (off by default)."),
+    special_tokens: bool = typer.Option(False, "--count-special-tokens/--no-count-special-tokens", help="Also count the positions of the special tokens the tokenizer adds (BOS, [CLS], [SEP]: attention sinks); by default they are fed but not counted."),
+    memory_budget: Optional[str] = typer.Option(None, help="Bytes the float64 token sums may hold (e.g. 512MB, 20GiB); beyond it they are spilled exactly to --spill-dir and merged at the end. Default: half the memory free on the accumulator's device."),
+    spill_dir: Optional[Path] = typer.Option(None, help="Directory for spilled sums (default: the system's temp directory)."),
+    module: Optional[List[str]] = typer.Option(None, "--module", help="ROLE=PATH: name a module where discovery is wrong (roles: embedding, blocks, final_norm, unembedding; PATH 'none' for none), e.g. --module final_norm=model.norm. Repeatable."),
+):
+    """Run a model over text sources and store mergeable sums.
+
+    Example: python cli.py extract --model pythia-70m --checkpoint step143000 --source enron=enron.jsonl.zst --unit sentence
+
+    Example (the Pile's sources, one read): python cli.py extract --model pythia-160m --source pile=val.jsonl.zst --split-by meta.pile_set_name
+
+    Example (a Hugging Face dataset): python cli.py extract --model pythia-160m --source wiki=hf:wikitext:wikitext-103-raw-v1 --split validation
+
+    Example (one node, 8 GPUs, one shard per GPU): torchrun --standalone --nproc_per_node 8 cli.py extract --model pythia-1.4b --source pile=val.jsonl.zst
+    """
+    options = dict(locals())  # every option by name, before anything else is bound
+    from extract.launch import finish
+    from extract.options import prepare
+    from extract.run import extract as run_extract, summary_line
+
+    try:
+        job = prepare(options)
+        launch = job.launch
+        start = time.perf_counter()
+        tag = f"[rank {launch.rank} of {launch.world_size}] " if launch.distributed else ""
+        results = run_extract(job.ref, job.revisions, job.sources, warehouse, job.settings, log=lambda m: typer.echo(tag + m, err=True))
+        typer.echo(tag + summary_line(results, time.perf_counter() - start) +
+                   f"; shard {launch.shard[0]}/{launch.shard[1]} ({launch.launcher}); warehouse: {warehouse}", err=True)
+        finish(launch)  # under torchrun: every rank has committed when this returns
+    except UserError as e:
+        fail(str(e))
+
+
+def _extract_specs() -> dict:
+    """The extract command's options as a sweep file may give them: kind, default, flag spellings
+    (from the command's own signature, so the two never drift apart)."""
+    import inspect
+    import typing
+
+    from extract.sweep import OptionSpec
+
+    hints = typing.get_type_hints(extract)
+    specs = {}
+    for name, param in inspect.signature(extract).parameters.items():
+        hint, info = hints[name], param.default
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        base = args[0] if args else hint
+        kind = ("list" if typing.get_origin(base) in (list, List) else "flag" if base is bool
+                else "int" if base is int else "str")
+        decls = [d for d in info.param_decls if d.startswith("--")]
+        on, _, off = (decls[0] if decls else "--" + name.replace("_", "-")).partition("/")
+        if kind == "flag" and not decls:
+            off = "--no-" + name.replace("_", "-")
+        specs[name] = OptionSpec(kind, None if info.default is ... else info.default, on, off or None)
+    return specs
+
+
+@app.command()
+def sweep(
+    config: Path = typer.Argument(..., help="The sweep file (TOML): models, checkpoints, sources, [settings], [slurm]."),
+    plan: bool = typer.Option(False, "--plan", help="Print the units (model, checkpoint, source, shard), done or to run, and stop."),
+    commands: bool = typer.Option(False, "--commands", help="Print every unit's `cli.py extract` command (the same runs by hand) and stop."),
+    slurm: Optional[Path] = typer.Option(None, "--slurm", help="Write a Slurm job-array script whose tasks run the units still to run, and stop."),
+    task: Optional[int] = typer.Option(None, "--task", help="Run only unit N of the plan (what a Slurm array task runs)."),
+    plan_id: Optional[str] = typer.Option(None, "--plan-id", help="With --task: refuse to run unless the file still gives this plan."),
+    warehouse: Optional[str] = typer.Option(None, "--warehouse", "-w", help="Overrides the file's warehouse."),
+):
+    """Run a sweep from a file: models × checkpoints × sources (× shards), resuming where it stopped.
+
+    Each unit is the run of `cli.py extract --model M --checkpoint C --source S --shard I/N --skip-done`
+    with the file's settings: units already in the warehouse with the same data and settings are kept.
+
+    Example: python cli.py sweep sweep.toml --plan
+
+    Example (a Slurm job array of the units left): python cli.py sweep sweep.toml --slurm sweep.sbatch && sbatch sweep.sbatch
+    """
+    import datetime
+
+    from extract import sweep as sw
+    from extract.options import SOURCE_OPTIONS
+    from extract.run import summary_line
+    from extract.sources import BUILTIN
+
+    try:
+        if task is not None and (plan or commands or slurm):
+            raise UserError("--task runs one unit: it cannot go with --plan, --commands or --slurm")
+        if plan_id is not None and task is None:
+            raise UserError("--plan-id goes with --task")
+        spec = sw.read_config(config, _extract_specs(), SOURCE_OPTIONS, tuple(BUILTIN))
+        where = warehouse or spec.warehouse
+        planning = plan or commands or slurm is not None
+        p = sw.plan(spec, where, planning=planning)
+        if task is None and not commands:  # a task runs one unit: extract's --skip-done judges it
+            p.mark_done()
+        if commands:
+            for line in sw.commands(spec, p.units, cli=_launcher(), warehouse=where):
+                typer.echo(line)
+            return
+        if plan or slurm is not None:
+            for line in sw.plan_lines(p):
+                typer.echo(line)
+        if slurm is not None:
+            todo = p.todo()
+            if not todo:
+                typer.echo("nothing to run: no script written", err=True)
+                return
+            python = spec.slurm.get("python", sys.executable)
+            text = sw.slurm_script(spec, todo, p.id, _launcher(), python, Path.cwd(), warehouse,
+                                   datetime.datetime.now().isoformat(timespec="seconds"), len(p.units))
+            sw.write_script(slurm, text)
+            typer.echo(f"wrote {slurm}: {len(todo)} array tasks; submit with: sbatch {slurm}", err=True)
+        if plan or slurm is not None:
+            return
+        start = time.perf_counter()
+        log = lambda m: typer.echo(m, err=True)  # noqa: E731
+        if task is None:
+            log(sw.plan_lines(p)[0])
+        results = sw.run(p, log=log, task=task, expect_id=plan_id)
+        log(summary_line(results, time.perf_counter() - start) + f"; warehouse: {where}")
+    except UserError as e:
+        fail(str(e))
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+@app.command()
+def sql(
+    query: str = typer.Argument(..., help="SQL over the views (inter_sim, intra_sim, avg_intra_sim, isotropy, layernorm, …)."),
+    warehouse: str = WAREHOUSE,
+    format: str = typer.Option("table", "--format", "-f", help="table | csv | json"),
+):
+    """Query the warehouse with DuckDB.
+
+    Example: python cli.py sql "SELECT layer, inter_sim FROM inter_sim ORDER BY layer" --format csv
+    """
+    import duckdb
+
+    from warehouse.query import connect
+
+    if format not in ("table", "csv", "json"):
+        fail(f"--format {format!r}: expected table, csv or json")
+    try:
+        con = connect(warehouse)
+        cur = con.execute(query)
+        if cur.description is None:
+            return
+        cols, rows = [d[0] for d in cur.description], cur.fetchall()
+    except UserError as e:
+        fail(str(e))
+    except duckdb.Error as e:
+        fail(" ".join(str(e).split()))
+    if format == "json":
+        typer.echo(json.dumps([{c: _clean(v) for c, v in zip(cols, r)} for r in rows], default=str))
+    elif format == "csv":
+        w = csv.writer(sys.stdout, lineterminator="\n")
+        w.writerow(cols)
+        w.writerows(rows)
+    else:
+        text = [[("NULL" if v is None else (f"{v:.6g}" if isinstance(v, float) else str(v))) for v in r] for r in rows]
+        widths = [max([len(c)] + [len(r[i]) for r in text]) for i, c in enumerate(cols)]
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+        typer.echo("  ".join("-" * w for w in widths))
+        for r in text:
+            typer.echo("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+        typer.echo(f"({len(rows)} rows)", err=True)
+
+
+@app.command()
+def validate(warehouse: str = WAREHOUSE, fix: bool = typer.Option(False, "--fix", help="Remove orphaned files, re-merge stale or wrong merged tables, rewrite views.sql.")):
+    """Check every file of the warehouse against the schema and the manifest, and every merged
+    table against a fresh merge of its partials.
+
+    Example: python cli.py validate --warehouse warehouse --fix
+    """
+    from warehouse.storage import open_storage
+    from warehouse.validate import validate as run_validate
+
+    try:
+        problems = run_validate(open_storage(warehouse, must_exist=True), fix)
+    except UserError as e:
+        fail(str(e))
+    for p in problems:
+        typer.echo(p)
+    if problems:
+        typer.echo(f"{len(problems)} problem(s) in {warehouse}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{warehouse}: ok", err=True)
+
+
+@app.command()
+def compact(
+    warehouse: str = WAREHOUSE,
+    model: Optional[str] = typer.Option(None, help="Only this model (default: every model)."),
+    checkpoint: Optional[str] = typer.Option(None, help="Only this checkpoint (default: every checkpoint)."),
+):
+    """Make checkpoints final: drop the per-partial token vectors, moments and samples and the merge
+    state, keeping every table a view reads (all views stay exact).  A compacted checkpoint takes no
+    new or re-run partial (that is refused with an error); extract those into another warehouse.
+
+    Example: python cli.py compact --warehouse warehouse --model pythia-1.4b --checkpoint step143000
+    """
+    from warehouse.merge import compact as run_compact
+    from warehouse.query import refresh_companions
+    from warehouse.storage import open_storage
+
+    try:
+        st = open_storage(warehouse, must_exist=True)
+        res = run_compact(st, model, checkpoint)
+        refresh_companions(st)
+    except UserError as e:
+        fail(str(e))
+    b, a = res["before"], res["after"]
+    per = lambda x: f"{x['bytes_per_cell']:.1f}" if x["bytes_per_cell"] is not None else "-"  # noqa: E731
+    typer.echo(f"compacted {res['checkpoints']} checkpoint(s): token-level bytes {b['bytes']} -> {a['bytes']} "
+               f"({per(b)} -> {per(a)} B per (layer, token type), {a['cells']} cells)")
+
+
+@app.command()
+def views(warehouse: str = WAREHOUSE):
+    """Rewrite WAREHOUSE/views.sql, the DuckDB shell's init file (e.g. after moving the warehouse).
+
+    Example: python cli.py views --warehouse warehouse && duckdb -init warehouse/views.sql
+    """
+    from warehouse.query import write_views_file
+    from warehouse.storage import open_storage
+
+    try:
+        typer.echo(write_views_file(open_storage(warehouse, must_exist=True)))
+    except UserError as e:
+        fail(str(e))
+
+
+@app.command()
+def pull(
+    warehouse: str = WAREHOUSE,
+    to: Path = typer.Option(..., "--to", help="A new local directory for the copy."),
+    model: Optional[str] = typer.Option(None, help="Only this model (default: every model)."),
+    checkpoint: Optional[str] = typer.Option(None, help="Only this checkpoint (default: every checkpoint)."),
+    full: bool = typer.Option(False, "--full", help="Copy every file (a mirror that takes new partials), not only what the views read."),
+):
+    """Copy a warehouse (e.g. on S3) into a new local directory, for the DuckDB shell without httpfs
+    or for working offline.  By default only what the views read (~42 B per layer and token type).
+
+    Example: python cli.py pull --warehouse s3://bucket/pythia --to local-copy && duckdb -init local-copy/views.sql
+    """
+    from warehouse.pull import pull as run_pull
+
+    try:
+        res = run_pull(warehouse, to, model, checkpoint, full)
+    except UserError as e:
+        fail(str(e))
+    typer.echo(f"copied {res['entries']} entries ({res['files']} files, {res['bytes']} bytes) to {to}; "
+               f"open with: duckdb -init {to / 'views.sql'}", err=True)
+
+
+@app.command()
+def train(
+    source: str = typer.Option("stdlib-docs", "--source", "-s", help="NAME=PATH or a built-in source (stdlib-docs)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for out/stepN checkpoints."),
+    tied: bool = typer.Option(False, "--tied/--untied", help="Tie the embedding and unembedding matrices."),
+    width: int = typer.Option(128, help="Hidden size."),
+    depth: int = typer.Option(4, help="Number of blocks."),
+    heads: int = typer.Option(4, help="Attention heads."),
+    context: int = typer.Option(128, help="Training sequence length (and the model's context)."),
+    vocab: int = typer.Option(4096, help="BPE vocabulary size (tokenizer trained on the source)."),
+    steps: int = typer.Option(600, help="Optimizer steps."),
+    save_every: int = typer.Option(60, help="Save a checkpoint every N steps (and at 0 and the end)."),
+    batch_size: int = typer.Option(16, help="Sequences per step."),
+    lr: float = typer.Option(3e-3, help="Peak learning rate (warm-up, then cosine to 10 %)."),
+    seed: int = typer.Option(0, help="Seed for initialisation and batches."),
+):
+    """Train a micro Pythia-style GPT-NeoX on a source, saving checkpoints step0 … stepN for `extract`.
+
+    Example: python cli.py train --source stdlib-docs --out micro/untied --untied --steps 600 --save-every 60
+    """
+    from extract.sources import fingerprint, parse_source
+    from extract.train import TrainSettings, train as run_train
+
+    try:
+        src = parse_source(source)
+        settings = TrainSettings(tied=tied, width=width, depth=depth, heads=heads, context=context, vocab=vocab,
+                                 steps=steps, save_every=save_every, batch_size=batch_size, lr=lr, seed=seed)
+        run_train(src, out, settings, fingerprint(src), log=lambda m: typer.echo(m, err=True))
+    except UserError as e:
+        fail(str(e))
+
+
+@app.command()
+def demo(
+    directory: Path = typer.Option(Path("demo"), "--dir", "-d", help="Where models, warehouse and report go."),
+    steps: int = typer.Option(600, help="Training steps of each micro model."),
+    save_every: int = typer.Option(60, help="Checkpoint interval of the micro models."),
+    max_tokens: int = typer.Option(100_000, help="Tokens extracted per checkpoint."),
+    force: bool = typer.Option(False, "--force", help="Retrain and re-extract even when done before."),
+):
+    """The whole job offline: train tied/untied micro models, extract them and MiniLM, draw the report.
+
+    Example: python cli.py demo --dir demo
+    """
+    from extract.demo import DemoSettings, run_demo
+
+    try:
+        result = run_demo(directory, DemoSettings(steps=steps, save_every=save_every, max_tokens=max_tokens,
+                                                  force=force), log=lambda m: typer.echo(m, err=True))
+    except UserError as e:
+        fail(str(e))
+    t = result["timings"]
+    views = result["warehouse"] / "views.sql"
+    typer.echo(f"\ndemo finished in {t['total']:.0f} s (train {t['train']:.0f} s, extract {t['extract']:.0f} s, "
+               f"report {t['report']:.0f} s)")
+    typer.echo(f"warehouse: {result['warehouse']}")
+    typer.echo(f"report:    {result['report']}  ({result['drawn']} of {result['figures']} figures)")
+    for f in result["missing"]:
+        typer.echo(f"  not drawn: {f.title}: {f.missing}")
+    typer.echo("try in the DuckDB shell:")
+    for q in result["queries"]:
+        typer.echo(f'  duckdb -init {views} -c "{q}"')
+
+
+@app.command()
+def report(
+    warehouse: str = WAREHOUSE,
+    out: Path = typer.Option(Path("reports"), "--out", "-o", help="Output directory."),
+    model: Optional[List[str]] = typer.Option(None, "--model", "-m", help="Only these models (repeatable)."),
+    checkpoint: Optional[List[str]] = typer.Option(None, "--checkpoint", "-c", help="Only these checkpoints (repeatable)."),
+):
+    """Draw the paper's figures (and more) from the warehouse: index.html, PNG, SVG and CSV per chart.
+
+    Example: python cli.py report --warehouse warehouse --out reports && chromium reports/index.html
+    """
+    from warehouse.report import build_report
+
+    try:
+        result = build_report(warehouse, out, model, checkpoint)
+    except UserError as e:
+        fail(str(e))
+    for f in result.missing:
+        typer.echo(f"not drawn: {f.title}: {f.missing}", err=True)
+    typer.echo(f"{len(result.drawn)} of {len(result.figures)} figures drawn: {out / 'index.html'}", err=True)
+
+
+def main() -> None:
+    """Run the app; an I/O failure that no command turned into a message (a disk or a store failing
+    mid-run) still ends in one line and exit code 2."""
+    try:
+        app()
+    except OSError as e:
+        typer.echo(f"error: {' '.join(str(e).split())[:400] or type(e).__name__}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
