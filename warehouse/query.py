@@ -15,6 +15,7 @@ and whose body is one SELECT; it becomes `CREATE VIEW <name> AS <body>`.
 
 from __future__ import annotations
 
+import importlib.resources
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,16 @@ from isotropy_warehouse.errors import UserError
 from . import merge, schema, store
 from .storage import open_storage
 
-QUERIES_DIR = Path(__file__).resolve().parent.parent / "queries"
+def _queries_dir() -> Path:
+    """queries/*.sql: in an installed wheel the package data warehouse/queries/ (pyproject.toml maps the
+    repository's queries/ there); in a checkout, editable install or not, the repository's queries/."""
+    packaged = importlib.resources.files(__package__) / "queries"
+    if packaged.is_dir():  # a wheel unpacks into site-packages: a real directory
+        return Path(str(packaged))
+    return Path(__file__).resolve().parent.parent / "queries"
+
+
+QUERIES_DIR = _queries_dir()
 BASE_VIEWS = (*schema.TABLES, "runs")
 
 
