@@ -48,8 +48,9 @@ def run_demo(root: Path, settings: DemoSettings, log=print) -> dict:
     fp = fingerprint(source)
     t0 = time.perf_counter()
     timings = {}
-    for tied in (True, False):
+    for i, tied in enumerate((True, False), 1):
         name = f"micro-{'tied' if tied else 'untied'}"
+        log(f"demo: train {name} ({i} of 2), {time.perf_counter() - t0:.0f} s in")
         out = models / name
         if settings.force and (out / "train.json").exists():
             (out / "train.json").unlink()  # forces retraining
@@ -58,12 +59,15 @@ def run_demo(root: Path, settings: DemoSettings, log=print) -> dict:
     t1 = time.perf_counter()
     ex = Settings(max_tokens=settings.max_tokens, skip_done=not settings.force, moments=True, cross_moments=True, sample=settings.sample,
                   sequences=True, prompt_entropy=True)  # every figure of the report, the opt-in ones included
-    for spec in ("minilm", str(models / "micro-tied"), str(models / "micro-untied")):
+    specs = ("minilm", str(models / "micro-tied"), str(models / "micro-untied"))
+    for i, spec in enumerate(specs, 1):
+        log(f"demo: extract {Path(spec).name} ({i} of {len(specs)}), {time.perf_counter() - t0:.0f} s in")
         ref = resolve_model(spec)
         checkpoints = select_checkpoints(ref, "all") if ref.name.startswith("micro-") else ["main"]
         extract(ref, checkpoints, [source], warehouse, ex, log=log)
     timings["extract"] = time.perf_counter() - t1
     t2 = time.perf_counter()
+    log(f"demo: report, {t2 - t0:.0f} s in")
     report = build_report(warehouse, reports)
     timings["report"] = time.perf_counter() - t2
     timings["total"] = time.perf_counter() - t0

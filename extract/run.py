@@ -22,10 +22,10 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 import torch
-from tqdm import tqdm
 
 from isotropy_warehouse import faults
 from isotropy_warehouse.errors import UserError
+from isotropy_warehouse.progress import progress
 from warehouse import merge, query, schema, store
 from warehouse.storage import open_storage
 
@@ -410,8 +410,8 @@ def _finish(result: SourceResult, acc: TokenSums, stats: ReadStats) -> None:
 
 
 def _bar(loaded: Loaded, name: str, settings: Settings):
-    return tqdm(desc=f"{loaded.ref.name}@{loaded.checkpoint} {name}", unit="tok", unit_scale=True,
-                total=settings.max_tokens, mininterval=1.0, file=sys.stderr, disable=None)
+    return progress(f"{loaded.ref.name}@{loaded.checkpoint} {name}", unit="tok", unit_scale=True,
+                    total=settings.max_tokens, mininterval=1.0)  # a bar on a terminal, else plain lines
 
 
 def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result: SourceResult

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from isotropy_warehouse.errors import UserError
+from isotropy_warehouse.progress import progress
 from .sources import ReadStats, Source, documents
 
 
@@ -134,7 +133,8 @@ def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint
         tok.save_pretrained(target)
         record["checkpoints"][f"step{step}"] = {"loss": loss}
 
-    bar = tqdm(total=settings.steps, desc=f"train {out.name}", unit="step", file=sys.stderr, disable=None)
+    bar = progress(f"train {out.name}", total=settings.steps, unit="step",  # a bar on a terminal, else plain lines
+                   per_unit=(settings.batch_size * settings.context, "tok"))
     start = time.perf_counter()
     loss_val = None
     for step in range(settings.steps + 1):
@@ -152,8 +152,8 @@ def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         loss_val = loss.item()
+        bar.set_postfix(loss=f"{loss_val:.3f}", refresh=False)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_val:.3f}")
     bar.close()
     record["seconds"] = round(time.perf_counter() - start, 1)
     (out / "train.json").write_text(json.dumps(record, indent=1))

@@ -12,13 +12,13 @@ import datetime as _dt
 import functools
 import html
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import altair as alt
 import polars as pl
-from tqdm import tqdm
+
+from isotropy_warehouse.progress import progress
 
 from . import store
 from .query import connect
@@ -761,7 +761,7 @@ def build_report(warehouse: Path, out: Path, models: list[str] | None = None,
     d = Data(warehouse, models, checkpoints)
     report = Report(out)
     out.mkdir(parents=True, exist_ok=True)
-    for make in tqdm(FIGURES, desc="report", unit="figure", file=sys.stderr, disable=None):
+    for make in progress("report", iterable=FIGURES, unit="figure"):  # a bar on a terminal, else plain lines
         fig = make(d)
         report.figures.append(fig)
         if fig.missing:
