@@ -8,14 +8,15 @@ Everything stored is a sum or a top-k, so shards, sources and machines merge:
 
 * sequence moments, per layer and pooling — 'mean' (z = the window's mean vector), 'last' (z = its
   last vector), 'normalized' (ẑ = z_mean/‖z_mean‖): windows W, Σz (d,), Σzzᵀ (d, d), float64
-  sums of per-batch products (a `Moments` each, without cross moments, at the moments' precision;
-  a batch adds B rows per layer, B its windows);
+  sums of per-batch float64 products (a `Moments` each, without cross moments, exact whatever the
+  token moments' precision: a batch adds only B rows per layer, B its windows);
 * curvature: over windows with a valid pair, Σ of the window's mean angle c_k = arccos(|⟨v_k,
   v_{k+1}⟩| / (‖v_k‖‖v_{k+1}‖)), v_k = h_{k+1} − h_k of consecutive vectors (float64), and their count;
 * prompt entropy (`prompt_entropy=True`): per window with N ≥ 2 vectors, Z = the vectors minus
   their mean, rows L2-normalised (zero rows dropped), p = eig(ZZᵀ)/Σ, H(p)/log(min(N, d)): its sum
   and count (one eigendecomposition per window and layer: the cost is why it is opt-in);
-* massive activations: Σ|h| over every counted vector and dimension, and the top-k |h| with the
+* massive activations: Σ|h| over every counted vector and dimension (rows in float32, then float64),
+  and the top-k |h| with the
   dimension, token, document and position where each occurs.
 
 Cost per batch and layer: O(M·d) elementwise float64 (curvature, Σ|h|, the row maxima for the
@@ -41,9 +42,13 @@ class WindowMeasures:
 
         dev = torch.device(device)
         self.L, self.d, self.k = n_layers, d, top_k
-        # the pooled rows are float64 (z_mean) or the layer's dtype (z_last): bf16 products do not apply
-        prec = "float64" if precision == "float64" else "float32"
-        self.pooled = {p: Moments(n_layers, d, dev, cross=False, precision=prec, background=False) for p in POOLINGS}
+        # Exact products whatever the token moments' precision: these are B rows per batch (one per
+        # window), not M tokens, so float64 costs little; float32 products left noise eigenvalues
+        # (~1e-7 of the largest) in a rank-deficient covariance — 'last' pooling at the embedding layer,
+        # windows ending in the same token — that effective rank's p > 0 counted (4.2e-6 relative off on
+        # MiniLM; tests/test_sequences.py).  `precision` is accepted for the caller's symmetry.
+        self.pooled = {p: Moments(n_layers, d, dev, cross=False, precision="float64", background=False)
+                       for p in POOLINGS}
         self.curv_windows = torch.zeros(n_layers, dtype=torch.int64, device=dev)
         self.curv_sum = torch.zeros(n_layers, dtype=torch.float64, device=dev)
         self.prompt_entropy = prompt_entropy
@@ -103,7 +108,10 @@ class WindowMeasures:
         # dim).  They lie in the first k rows by (max |h| desc, document, position): a row after
         # those has k rows before it whose maxima come before each of its entries — ties included.
         a = h.abs()  # (M, d)
-        self.sum_abs[layer] += a.sum(1).sum(dtype=torch.float64)  # rows pairwise in their dtype (no float64 copy)
+        # Each row's Σ|h| in float32 (float64 rows: float64), never in a bf16/fp16 row's own dtype: rounding a
+        # row's sum to bf16 (8 bits) made the total depend on the summation order (a GPU's: 1 ulp, 7e-6)
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
+        self.sum_abs[layer] += a.sum(1, dtype=acc).sum(dtype=torch.float64)  # (M,) → float64
         kk = min(self.k, M)
         rowmax = a.amax(1).index_select(0, by_place)  # (M,) in (document, position) order
         rows = by_place[torch.argsort(rowmax, descending=True, stable=True)[:kk]]  # (kk,)

@@ -732,14 +732,16 @@ def test_gpu_paths_against_float64_without_host_syncs():
         for name in ("sum_h", "window_cos"):
             assert torch.allclose(getattr(g, name).cpu(), getattr(cpu, name), rtol=1e-12, atol=1e-12), name
         g.extra.finish()
-        for name in ("sum_abs", "curv_sum"):  # the per-window measures on the device, same stream discipline
+        # the per-window measures on the device, same stream discipline; Σ|h| sums each row in float32 (not in
+        # bf16, where another order moved it by an ulp, 7e-6), so 1e-6 is ~10× the orders' difference
+        for name in ("sum_abs", "curv_sum"):
             assert torch.allclose(getattr(g.extra, name).cpu(), getattr(cpu.extra, name), rtol=1e-6), name
         assert torch.equal(g.extra.curv_windows.cpu(), cpu.extra.curv_windows)
         for layer in range(L):
             assert g.extra.top(layer) == cpu.extra.top(layer)
             for pooling, mo in g.extra.pooled.items():
                 ref64 = cpu.extra.pooled[pooling].s2(layer)
-                assert np.abs(mo.s2(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max(), pooling
+                assert np.abs(mo.s2(layer) - ref64).max() <= 1e-12 * np.abs(ref64).max(), pooling  # float64 products
         g.close()
 
 
