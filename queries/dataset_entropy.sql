@@ -1,5 +1,5 @@
 -- dataset_entropy: how evenly a layer spreads the dataset's windows over directions (Skean et al. 2025, "Layer by Layer": dataset entropy with α = 1); 1 = uniform, near 0 = one direction.
--- Formula: ẑ_w = z_w/‖z_w‖, z_w the mean vector of window w, over the W windows with z_w ≠ 0; p = eig(Σ_w ẑ_w ẑ_wᵀ / W) (their sum is 1); dataset_entropy = −Σ p log p / log(min(W, d)). Not centred: Skean et al. centre the Gram matrix, which needs the dataset mean before the pass (a second pass) — here the uncentred second moment, one pass, mergeable
+-- Formula: ẑ_w = z_w/‖z_w‖, z_w the mean vector of window w, over the W windows with z_w ≠ 0; p = eig(Σ_w ẑ_w ẑ_wᵀ / W) (their sum is 1); dataset_entropy = −Σ p log p / log(min(W, d)). Not centred over the dataset, like Skean et al.'s code; theirs differs in z_w (the mean of the window's rows after normalize(): minus the window's mean, unit length — not a stored pooling) and clamps the W × W Gram matrix at 0 (no function of Σẑẑᵀ): docs/measures.md
 -- Inputs: sequence_eigenvalues
 -- Columns: model, checkpoint, step, source, layer, windows, dataset_entropy
 WITH s AS (

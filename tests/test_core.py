@@ -137,6 +137,7 @@ def test_isotropy_equals_numpy(core, model):
     unemb = emb if unemb is None else unemb.astype(np.float64)
     got = {(r["matrix"], r["centered"]): r for r in rows(core["wh"], f"SELECT * FROM isotropy WHERE model = '{model}'")}
     assert set(got) == {(m, c) for m in ("embedding", "unembedding") for c in (False, True)}
+    assert {r["tied"] for r in got.values()} == {model.endswith("-tied")}
     for matrix, W in (("embedding", emb), ("unembedding", unemb)):
         for centered in (False, True):
             A = W - W.mean(0) if centered else W
