@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
@@ -49,13 +50,21 @@ def test_wheel_in_a_fresh_venv_answers_a_view(tmp_path, sources, model_factory):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
+    if sys.prefix != sys.base_prefix:
+        # This test runs in a virtual environment (.ci/run's): a venv made from it sees the base
+        # interpreter's packages, not these; its dependencies are these, after its own site-packages
+        # (a path line: the .pth files there, such as an editable install's finder, are not run).
+        parents = [p for p in site.getsitepackages() if Path(p).is_dir()]
+        child = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip()
+        Path(child, "test-parent-env.pth").write_text("".join(p + "\n" for p in parents))
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "--quiet", "--no-deps",
                     "--no-index", str(wheel)], check=True, env=_child_env(), cwd=tmp_path)
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    purelib = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True, env=_child_env()).stdout.strip())
-    assert site.is_relative_to(venv)
-    assert not any((site / f"{n}{ext}").exists() for n in ("cli", "common") for ext in ("", ".py"))
-    assert sorted(p.name for p in (site / "warehouse" / "queries").glob("*.sql")) == sqls
+    assert purelib.is_relative_to(venv)
+    assert not any((purelib / f"{n}{ext}").exists() for n in ("cli", "common") for ext in ("", ".py"))
+    assert sorted(p.name for p in (purelib / "warehouse" / "queries").glob("*.sql")) == sqls
 
     # A warehouse made here (in-process, from the checkout), queried there.
     wh = tmp_path / "wh"
@@ -68,7 +77,7 @@ def test_wheel_in_a_fresh_venv_answers_a_view(tmp_path, sources, model_factory):
     where = subprocess.run([str(py), "-c", "import isotropy_warehouse, warehouse.query as q; "
                             "print(isotropy_warehouse.__file__); print(q.QUERIES_DIR)"],
                            check=True, capture_output=True, text=True, env=_child_env(), cwd=outside).stdout.split("\n")
-    assert Path(where[0]).is_relative_to(site) and Path(where[1]) == site / "warehouse" / "queries", where
+    assert Path(where[0]).is_relative_to(purelib) and Path(where[1]) == purelib / "warehouse" / "queries", where
     out = subprocess.run([str(venv / "bin" / "isotropy-warehouse"), "sql", "SELECT layer, inter_sim FROM inter_sim "
                           "ORDER BY layer", "--format", "json", "--warehouse", str(wh)],
                          capture_output=True, text=True, env=_child_env(), cwd=outside)
