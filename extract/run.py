@@ -126,6 +126,10 @@ class SourceResult:
 
 def git_hash() -> str:
     here = Path(__file__).resolve().parent.parent
+    if not (here / "queries").is_dir():  # an installed wheel (site-packages may lie in another git repository)
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return "isotropy-warehouse " + importlib.metadata.version("isotropy-warehouse")
+        return "unknown"
     try:
         rev = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=10).stdout.strip()

@@ -84,6 +84,15 @@ def test_wheel_in_a_fresh_venv_answers_a_view(tmp_path, sources, model_factory):
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
     assert len(rows) >= 2 and all(isinstance(r["inter_sim"], float) for r in rows), rows
+    # Provenance of an installed copy: its version, not the git repository site-packages may lie in.
+    prov = subprocess.run([str(py), "-c", "from extract.run import git_hash; print(git_hash())"], capture_output=True,
+                          text=True, env=_child_env(), cwd=outside)
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert prov.stdout.strip() == f"isotropy-warehouse {version}", (prov.stdout, prov.stderr)
     helped = subprocess.run([str(py), "-m", "isotropy_warehouse", "--help"], capture_output=True, text=True,
                             env=_child_env(), cwd=outside)
     assert helped.returncode == 0 and "extract" in helped.stdout and "sql" in helped.stdout, helped.stderr
