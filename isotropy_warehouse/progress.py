@@ -124,7 +124,8 @@ class Lines:
 def progress(desc: str, total: float | None = None, unit: str = "it", unit_scale: bool = False, file=None,
              per_unit: tuple[float, str] | None = None, iterable=None, **tqdm_kw):
     """A tqdm bar when `file` (default stderr) is a terminal (tqdm_kw: its options), else `Lines`: the same
-    update/set_postfix/close; with `iterable`, an iterator over it as tqdm(iterable).  per_unit=(k, "tok"): the lines also give the rate in tok/s (k tok per unit)."""
+    update/set_postfix/close; with `iterable`, an iterator over it as tqdm(iterable).  per_unit=(k, "tok"):
+    the lines also give the rate in tok/s (k tok per unit)."""
     file = file if file is not None else sys.stderr
     if _is_tty(file):
         return tqdm(iterable, desc=desc, total=total, unit=unit, unit_scale=unit_scale, file=file, **tqdm_kw)
