@@ -28,6 +28,7 @@ from isotropy_warehouse.errors import UserError
 from . import merge, schema, store
 from .storage import open_storage
 
+
 def _queries_dir() -> Path:
     """queries/*.sql: in an installed wheel the package data warehouse/queries/ (pyproject.toml maps the
     repository's queries/ there); in a checkout, editable install or not, the repository's queries/."""
