@@ -925,7 +925,7 @@ class _SlotTable:
     slots (evicted, reused first).  It grows ×1.25 within `budget`; when full, `admit` evicts the
     least-counted half of the resident types (by `freq`, the occurrences seen over the stream)."""
 
-    EVICT = 0.5  # share of the resident types evicted when the table is full
+    EVICT = 0.25  # share of the resident types evicted when the table is full
 
     def __init__(self, n_layers: int, vocab: int, d: int, device, budget: int | None, freq: np.ndarray):
         self.L, self.V, self.d = n_layers, vocab, d
@@ -1104,6 +1104,7 @@ class _Spill:
     lock nobody holds (their process is dead: the kernel drops a flock with its holder)."""
 
     PREFIX = "isotropy-spill-"
+    RATIO = 2  # merge when the runs after the base hold RATIO × its rows
 
     def __init__(self, n_layers: int, d: int, root: str | Path | None):
         self.L, self.d = n_layers, d
@@ -1156,7 +1157,7 @@ class _Spill:
             self._merge()
 
     def _merge(self) -> None:
-        if len(self.runs) < 2 or sum(len(r.ids) for r in self.runs[1:]) < len(self.runs[0].ids):
+        if len(self.runs) < 2 or sum(len(r.ids) for r in self.runs[1:]) < self.RATIO * len(self.runs[0].ids):
             return
         runs, self.runs = self.runs, []
         union = _union([r.ids for r in runs])
