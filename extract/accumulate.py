@@ -10,22 +10,25 @@ path has no host sync on a GPU.  Memory: (L + 2) · U · (8d + 8) bytes for U to
 
 **Budget and tiers.** With `budget` bytes, the slot tables grow (×1.25, one layer at a time) only
 while they fit.  When the next batch's new token types would not, the table *evicts* the least-counted
-half of its resident types (counted over the stream so far, `freq`; the batch's own types never):
-their rows go to the next tier and their slots are reused, so the frequent types stay resident and
-are never written.  Tiers: the accumulator's device table → (when it is a GPU) a host-RAM table
-(`HostTier`: its own budget, default half the host's free memory; rows copied through pinned
-buffers, asynchronously, double-buffered) → disk runs (`_Spill`: token-sorted float64 rows of every
-layer, written exactly).  Runs are merged as they accumulate (when the runs after the base hold at
-least as many rows as the base, all are merged into one new base: one k-way pass by token range),
-so the runs read back at the end are few and every spilled byte is read once by `layer_rows`, which
-merges runs, host tier and device table per token-id range in bounded memory.
+quarter (`_SlotTable.EVICT`) of its resident types — counted over the whole stream so far (`freq`,
+(V,) int64 on the host); the batch's own types never — and reuses their slots: the frequent types
+stay resident and are never written.  Evicted rows go to the next tier: the accumulator's device
+table → (when it is a GPU) a host-RAM table (`host`, a `_SlotTable` in host memory under its own
+budget, by default half the host's free memory; rows gathered on the device and copied through two
+pinned buffers asynchronously, the copy of one chunk overlapping the host's add of the previous) →
+disk runs (`_Spill`: token-sorted float64 rows of every layer, exact).  Runs are merged as they
+accumulate: when the runs after the first (the base) hold ≥ RATIO (2) × its rows, all are merged
+into a new base in one k-way pass by token range; so few runs are left, and `layer_rows` reads every
+spilled byte once, merging runs, host tier and device table per token-id range in bounded memory.
 
-Bytes written to disk, W (`spill_bytes`): each merge writes at most base + small runs ≤ 2 × the small
-runs it consumes, and each eviction run is consumed once, so W ≤ 3 × E, E the bytes evicted to disk.
-E itself depends on the stream, not only on the types seen: a type evicted and seen again is evicted
-again (no fixed budget below the stream's working set can avoid that: a stream cycling through 2K
-types with room for K writes a row per re-entry).  Evicting by frequency makes E the rows of the
-Zipf tail that re-enter; measured in docs/performance.md (bench/bench_spill.py).
+**The spill bound.** W, the bytes written to disk (`spill_bytes`), and E, those of the eviction runs
+(`_Spill.bytes_evicted`): a merge writes ≤ base + the runs it consumes ≤ (1 + 1/RATIO) × the latter,
+and each eviction run is consumed by one merge, so **W ≤ (2 + 1/RATIO) E = 2.5 E**.  E depends on the
+stream, not only on the types seen: a type evicted and seen again is evicted again, and no fixed
+budget below the stream's working set avoids that (a stream cycling through 2K types with room for
+K must write a row per re-entry), so "W ≤ 2 × the final table" cannot hold for every stream.
+Evicting by frequency keeps E to the re-entries of the tail; measured on Zipf streams in
+docs/performance.md (bench/bench_spill.py) and tested on a short one (tests/test_spill.py).
 
 **Exactness.** Sums are split, never rounded: a type's final sum is its partial sums added in float64,
 oldest tier first (disk runs in the order written and merged, then the host tier, then the device
@@ -923,7 +926,7 @@ class _SlotTable:
     """A float64 slot table of token sums on one device: sums[layer] (capacity, d), counts[layer]
     (capacity,), the maps token → slot (V,) and slot → token (capacity,) on the host, and the free
     slots (evicted, reused first).  It grows ×1.25 within `budget`; when full, `admit` evicts the
-    least-counted half of the resident types (by `freq`, the occurrences seen over the stream)."""
+    least-counted EVICT of the resident types (by `freq`, the occurrences seen over the stream)."""
 
     EVICT = 0.25  # share of the resident types evicted when the table is full
 
@@ -1095,8 +1098,9 @@ def _merge_chunk(sources: list, layer: int, ids: np.ndarray, d: int) -> tuple[np
 class _Spill:
     """The disk tier: runs of token-sorted float64 rows in a private directory under `root` (the
     system's temp dir by default), merged as they accumulate: when the runs after the first (the
-    base) hold at least as many rows as the base, all are merged into a new base in one k-way pass,
-    so a merge writes ≤ 2× the rows it consumes beyond the base and bytes written ≤ 3× bytes evicted.
+    base) hold ≥ RATIO × its rows, all are merged into a new base in one k-way pass (the rows of a
+    token added in run order, oldest first), so a merge writes ≤ (1 + 1/RATIO) × the rows it
+    consumes beyond the base, and bytes written ≤ (2 + 1/RATIO) × bytes evicted.
 
     Interrupted runs leave no garbage for long: a run is written under a temporary name and renamed
     (fault point `spill` between its layers); the directory holds a `lock` file the process keeps

@@ -235,3 +235,22 @@ def test_only_orphans_are_swept(tmp_path):
     assert remove_orphans(tmp_path) == [dead]
     assert live.disk.dir.exists() and no_lock.exists() and not dead.exists()
     live.close()
+
+
+def test_spill_everything_then_a_lower_budget(unbudgeted, tmp_path):
+    """What a split source does when a new value arrives (extract/run.py, accumulate_split): the
+    budget is lowered and `spill()` evicts every type and releases the table; the sums still equal
+    the unbudgeted run."""
+    _, want = unbudgeted
+    acc = TokenSums(L, V, D, "cpu", spill_dir=tmp_path, host_budget=None)
+    for i, (ids, counted, hidden) in enumerate(zipf_batches(20_000)):
+        if i == 40:
+            acc.budget = 6 * B * T * slot_bytes()
+            acc.spill()
+            assert acc.table_bytes() == 0 and acc.spill_count == 1
+        acc.set_batch(ids, counted)
+        for layer in range(L):
+            acc.add(layer, hidden[layer])
+    assert acc.table_bytes() <= acc.budget and acc.spill_count > 1
+    same(want, rows(acc))
+    acc.close()
