@@ -1140,17 +1140,21 @@ class _Spill:
         path = self._directory() / f"{self._seq:05d}"
         self._seq += 1
         tmp = path.with_name(path.name + ".tmp")
-        tmp.mkdir()
-        np.save(tmp / "tokens.npy", ids)
-        for layer in range(self.L):
-            counts = []
-            with open(tmp / f"sums{layer}.f64", "wb") as f:
-                for a in range(0, len(ids), self.chunk):
-                    c, rows = fetch(layer, a, min(a + self.chunk, len(ids)))
-                    f.write(np.ascontiguousarray(rows, dtype=np.float64).tobytes())
-                    counts.append(c)
-            np.save(tmp / f"counts{layer}.npy", np.concatenate(counts) if counts else np.empty(0, np.int64))
-            faults.hit("spill")
+        try:
+            tmp.mkdir()
+            np.save(tmp / "tokens.npy", ids)
+            for layer in range(self.L):
+                counts = []
+                with open(tmp / f"sums{layer}.f64", "wb") as f:
+                    for a in range(0, len(ids), self.chunk):
+                        c, rows = fetch(layer, a, min(a + self.chunk, len(ids)))
+                        f.write(np.ascontiguousarray(rows, dtype=np.float64).tobytes())
+                        counts.append(c)
+                np.save(tmp / f"counts{layer}.npy", np.concatenate(counts) if counts else np.empty(0, np.int64))
+                faults.hit("spill")
+        except OSError as e:  # a full or unwritable disk: one line (the directory goes at close)
+            raise UserError(f"spilling token sums to {self.dir}: {e.strerror or e}; free space there, "
+                            f"choose another --spill-dir or raise --memory-budget") from e
         written = sum(p.stat().st_size for p in tmp.iterdir())
         self.bytes_written += written
         tmp.rename(path)

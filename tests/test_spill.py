@@ -72,7 +72,7 @@ def slot_bytes() -> int:
     return L * (8 * D + 8) + 8
 
 
-@pytest.mark.parametrize("config", ["plain", "fold", "segment", "host", "host+fold"])
+@pytest.mark.parametrize("config", ["plain", "fold", "segment", "host", "host+fold", "host-tiny"])
 @pytest.mark.parametrize("share", [1, 2, 4, 8, "few"])  # 1: room for growth, no eviction
 def test_sums_equal_the_unbudgeted_run_at_every_budget(unbudgeted, tmp_path, config, share):
     """Budgets from the whole table down to a few batches' types; on the CPU with the partial-fold
@@ -86,6 +86,8 @@ def test_sums_equal_the_unbudgeted_run_at_every_budget(unbudgeted, tmp_path, con
               scatter="segment" if config == "segment" else "atomic", host_budget=None)
     if config.startswith("host"):
         kw["host_budget"] = max(table // 2, 3 * B * T * slot_bytes())  # the host tier spills to disk too
+    if config == "host-tiny":  # too small for an eviction: the table's rows go straight to disk
+        kw["host_budget"] = 4 * slot_bytes()
     acc, got = accumulate(**kw)
     try:
         # the whole table fits: never evicted, bit-identical (the reference is the plain path)
@@ -95,7 +97,7 @@ def test_sums_equal_the_unbudgeted_run_at_every_budget(unbudgeted, tmp_path, con
         else:
             assert acc.peak_bytes <= budget
             assert acc.spill_count > 0 or config.startswith("host")
-            if config.startswith("host"):
+            if config in ("host", "host+fold"):
                 assert acc.host.resident > 0  # the evicted rows went through the host tier
         assert acc.spill_bytes >= acc.disk.bytes_evicted
         assert acc.spill_bytes <= 2.5 * acc.disk.bytes_evicted  # the merge policy's bound (RATIO 2)
@@ -254,3 +256,16 @@ def test_spill_everything_then_a_lower_budget(unbudgeted, tmp_path):
     assert acc.table_bytes() <= acc.budget and acc.spill_count > 1
     same(want, rows(acc))
     acc.close()
+
+
+def test_a_spill_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    acc = TokenSums(L, V, D, "cpu", budget=3 * B * T * slot_bytes(), spill_dir=tmp_path, host_budget=None)
+
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(np, "save", full)
+    with pytest.raises(UserError, match="No space left on device.*--spill-dir"):
+        for ids, counted, hidden in zipf_batches(5_000):
+            acc.set_batch(ids, counted)
+    acc.close()
+    assert not list(tmp_path.iterdir())
