@@ -8,12 +8,32 @@ which the host already has: the device never has to report which tokens are new,
 path has no host sync on a GPU.  Memory: (L + 2) · U · (8d + 8) bytes for U token types seen
 (a dense table would need (L + 2) · V · 8d whatever the corpus).
 
-**Budget.** With `budget` bytes, the slot tables grow (×1.25, one layer at a time) only while they
-fit; when the next batch's new token types would not, the sums so far are *spilled*: written
-exactly (float64) to a spill directory as token-sorted arrays, and the tables are zeroed for
-reuse.  At the end `layer_rows()` merges the spills and the tables per token-id range, so the
-merge, too, works in bounded memory.  Sums are split, never rounded: the result equals the
-unbudgeted one up to the order of float64 additions (~1e-16 relative).
+**Budget and tiers.** With `budget` bytes, the slot tables grow (×1.25, one layer at a time) only
+while they fit.  When the next batch's new token types would not, the table *evicts* the least-counted
+quarter (`_SlotTable.EVICT`) of its resident types — counted over the whole stream so far (`freq`,
+(V,) int64 on the host); the batch's own types never — and reuses their slots: the frequent types
+stay resident and are never written.  Evicted rows go to the next tier: the accumulator's device
+table → (when it is a GPU) a host-RAM table (`host`, a `_SlotTable` in host memory under its own
+budget, by default half the host's free memory; rows gathered on the device and copied through two
+pinned buffers asynchronously, the copy of one chunk overlapping the host's add of the previous) →
+disk runs (`_Spill`: token-sorted float64 rows of every layer, exact).  Runs are merged as they
+accumulate: when the runs after the first (the base) hold ≥ RATIO (2) × its rows, all are merged
+into a new base in one k-way pass by token range; so few runs are left, and `layer_rows` reads every
+spilled byte once, merging runs, host tier and device table per token-id range in bounded memory.
+
+**The spill bound.** W, the bytes written to disk (`spill_bytes`), and E, those of the eviction runs
+(`_Spill.bytes_evicted`): a merge writes ≤ base + the runs it consumes ≤ (1 + 1/RATIO) × the latter,
+and each eviction run is consumed by one merge, so **W ≤ (2 + 1/RATIO) E = 2.5 E**.  E depends on the
+stream, not only on the types seen: a type evicted and seen again is evicted again, and no fixed
+budget below the stream's working set avoids that (a stream cycling through 2K types with room for
+K must write a row per re-entry), so "W ≤ 2 × the final table" cannot hold for every stream.
+Evicting by frequency keeps E to the re-entries of the tail; measured on Zipf streams in
+docs/performance.md (bench/bench_spill.py) and tested on a short one (tests/test_spill.py).
+
+**Exactness.** Sums are split, never rounded: a type's final sum is its partial sums added in float64,
+oldest tier first (disk runs in the order written and merged, then the host tier, then the device
+table); a type never evicted is bit-identical to the unbudgeted run, others equal it up to the order
+of float64 additions (~1e-16 relative per addition).
 
 **Precision.** The norm is computed in float64 from the activations as they are (`dtype=`
 upcasts inside the kernel) and û = h · (1/‖h‖) is formed in float64 by type promotion, so
@@ -41,7 +61,13 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from isotropy_warehouse import faults
 from isotropy_warehouse.errors import UserError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: orphaned spill directories are not swept
+    fcntl = None
 
 PRECISIONS = ("float32", "float64", "bfloat16")  # of the moments' per-batch products
 SCATTERS = ("atomic", "segment")  # how the per-token sums are added (TokenSums)
@@ -53,7 +79,7 @@ class TokenSums:
     def __init__(self, n_layers: int, vocab: int, d: int, device: torch.device | str,
                  master_device: torch.device | str | None = None, fold_partials: bool | None = None,
                  budget: int | None = None, spill_dir: str | Path | None = None, fused: bool | None = None,
-                 scatter: str = "atomic"):
+                 scatter: str = "atomic", host_budget: int | str | None = "auto"):
         if scatter not in SCATTERS:
             raise UserError(f"--scatter {scatter!r}: expected one of {', '.join(SCATTERS)}")
         self.L, self.V, self.d = n_layers, vocab, d
@@ -63,14 +89,15 @@ class TokenSums:
         self.fold_partials = self.master != self.device if fold_partials is None else fold_partials
         self.host_sync_free = self.device.type == "cpu"  # a sync costs nothing on the CPU
         self.slot_bytes = n_layers * (8 * d + 8) + 8  # per token type: L float64 rows, L counts, its id
-        self.budget = budget
-        if budget is not None and budget < self.slot_bytes:
-            raise UserError(f"--memory-budget {budget} bytes is below one token type's {self.slot_bytes} bytes")
-        self.slot_of = np.full(vocab, -1, dtype=np.int64)  # (V,) token → slot, host
-        self.tokens = np.empty(0, dtype=np.int64)  # (capacity,) slot → token, host
-        self.used = 0
-        self.sums = [torch.zeros(0, d, dtype=torch.float64, device=self.master) for _ in range(n_layers)]
-        self.counts = [torch.zeros(0, dtype=torch.int64, device=self.master) for _ in range(n_layers)]
+        _check_budget(budget, self.slot_bytes, "--memory-budget")
+        self.freq = np.zeros(vocab, dtype=np.int64)  # (V,) occurrences seen so far per type: who stays resident
+        self.table = _SlotTable(n_layers, vocab, d, self.master, budget, self.freq)
+        if host_budget == "auto":  # a GPU table: the host's RAM before the disk
+            host_budget = default_host_budget() if self.master.type == "cuda" else None
+        _check_budget(host_budget, self.slot_bytes, "the host tier's budget")
+        self.host = None if host_budget is None else _SlotTable(n_layers, vocab, d, "cpu", host_budget, self.freq)
+        self.disk = _Spill(n_layers, d, spill_dir)
+        self._staging = None  # pinned (when CUDA) buffers for device → host copies
         self.nonfinite = torch.zeros(n_layers, dtype=torch.int64, device=self.device)
         self.zero = torch.zeros(n_layers, dtype=torch.int64, device=self.device)
         # Per layer, over every counted vector (float64, on the device: no sync):
@@ -78,10 +105,6 @@ class TokenSums:
         self.sum_u2 = torch.zeros(n_layers, d, dtype=torch.float64, device=self.device)  # Σ û_i² per dim
         self.windows = torch.zeros(n_layers, dtype=torch.int64, device=self.device)  # windows with ≥ 2 vectors
         self.window_cos = torch.zeros(n_layers, dtype=torch.float64, device=self.device)  # Σ_w mean cos(h, m_w)
-        self.peak_bytes = 0  # the most the slot tables held at once (growth included)
-        self.spills: list[Path] = []
-        self._spill_root = spill_dir
-        self._spill_dir: Path | None = None
         self._batch = None
         # On a GPU, a few compiled kernels per layer (norm; scale + scatter-add; per-window
         # reductions) instead of ~15 eager ones, the float64 û never written to memory: `layer_step`.
@@ -92,89 +115,100 @@ class TokenSums:
         self.sample: Sample | None = None
         self.extra = None  # optional WindowMeasures (extract/sequences.py)
 
-    # ------------------------------------------------------------ slots
+    # ------------------------------------------------------------ slots (the table and its tiers)
+
+    # the table's state, read by the hot path (`add`) and by callers
+    sums = property(lambda self: self.table.sums)  # [layer] (capacity, d) float64
+    counts = property(lambda self: self.table.counts)  # [layer] (capacity,) int64
+    slot_of = property(lambda self: self.table.slot_of)  # (V,) token → slot, host
+    tokens = property(lambda self: self.table.tokens)  # (capacity,) slot → token (−1: free), host
+    used = property(lambda self: self.table.resident)  # token types resident in the device table
+    peak_bytes = property(lambda self: self.table.peak_bytes)  # the most the table held at once (growth included)
+    capacity = property(lambda self: self.table.capacity)
+    spills = property(lambda self: [r.path for r in self.disk.runs])  # the disk runs now (merged ones replace theirs)
+    spill_count = property(lambda self: self.disk.evictions)  # eviction runs written to disk (merges not counted)
+    spill_bytes = property(lambda self: self.disk.bytes_written)  # bytes written to spill files (merges included)
+    spill_read_bytes = property(lambda self: self.disk.bytes_read)
 
     @property
-    def capacity(self) -> int:
-        return len(self.tokens)
+    def budget(self) -> int | None:
+        return self.table.budget
+
+    @budget.setter
+    def budget(self, value: int | None) -> None:
+        self.table.budget = value
 
     def table_bytes(self) -> int:
-        return self.capacity * self.slot_bytes
-
-    def _grow(self, need: int) -> bool:
-        """Make room for `need` slots in all; False when the budget does not allow it."""
-        cap = self.capacity
-        if need <= cap:
-            return True
-        new = min(max(cap + cap // 4, need, 1024), self.V)
-        row = 8 * self.d + 8
-        if self.budget is not None:
-            # growing one layer at a time: the old and the new copy of the last layer coexist
-            new = min(new, (self.budget - cap * row) // (self.L * row + 8))
-            if new < need:
-                return False
-        self.peak_bytes = max(self.peak_bytes, self.L * new * row + cap * row + 8 * new)  # ≥ table_bytes()
-        for layer in range(self.L):
-            grown = torch.zeros(new, self.d, dtype=torch.float64, device=self.master)
-            grown[:cap] = self.sums[layer]
-            self.sums[layer] = grown
-            counts = torch.zeros(new, dtype=torch.int64, device=self.master)
-            counts[:cap] = self.counts[layer]
-            self.counts[layer] = counts
-        self.tokens = np.concatenate([self.tokens, np.full(new - cap, -1, dtype=np.int64)])
-        return True
+        return self.table.table_bytes()
 
     def spill(self) -> None:
-        """Write the sums so far (exact, token-sorted) to the spill directory; zero the tables."""
-        if self.used == 0:
-            return
-        if self._spill_dir is None:
-            self._spill_dir = Path(tempfile.mkdtemp(prefix="isotropy-spill-", dir=self._spill_root))
-        part = self._spill_dir / f"{len(self.spills):05d}"
-        part.mkdir()
-        order = np.argsort(self.tokens[: self.used], kind="stable")
-        np.save(part / "tokens.npy", self.tokens[: self.used][order])
-        idx = torch.from_numpy(order).to(self.master)
-        for layer in range(self.L):  # counts and raw float64 rows (U, d), token-sorted, read back by ranges
-            np.save(part / f"counts{layer}.npy", self.counts[layer][: self.used].index_select(0, idx).cpu().numpy())
-            rows = self.sums[layer][: self.used]
-            with open(part / f"sums{layer}.f64", "wb") as f:
-                for a in range(0, self.used, 4096):
-                    f.write(rows.index_select(0, idx[a:a + 4096]).cpu().numpy().tobytes())
-            rows.zero_()
-            self.counts[layer][: self.used] = 0
-        self.slot_of[self.tokens[: self.used]] = -1
-        self.tokens[: self.used] = -1
-        self.used = 0
-        self.spills.append(part)
+        """Evict every resident type to the next tier and release the table's memory (it grows again
+        within `budget`, which the caller may have lowered)."""
+        occupied = self.table.occupied()
+        if len(occupied):
+            self._evict_device(occupied[np.argsort(self.table.tokens[occupied])])
+            self.table.release(occupied)
+        self.table.reset()
 
     def close(self) -> None:
         """Remove the spill directory and stop the moments' thread (always call; the sums must have
         been read first)."""
         if self.moments is not None:
             self.moments.close()
-        if self._spill_dir is not None:
-            shutil.rmtree(self._spill_dir, ignore_errors=True)
-            self._spill_dir = None
-            self.spills = []
+        self.disk.close()
 
     def _assign(self, ids: np.ndarray) -> np.ndarray:
-        """Slots of the batch's token ids (M,), giving new token types a slot (spilling if needed)."""
-        slots = self.slot_of[ids]
-        new = np.unique(ids[slots < 0])
-        if len(new):
-            if not self._grow(self.used + len(new)):
-                self.spill()
-                new = np.unique(ids)
-                if not self._grow(len(new)):
-                    raise UserError(
-                        f"--memory-budget {self.budget} bytes cannot hold one batch: it counts {len(new)} token "
-                        f"types × {self.slot_bytes} bytes; raise the budget or lower --batch-size")
-            self.slot_of[new] = np.arange(self.used, self.used + len(new))
-            self.tokens[self.used: self.used + len(new)] = new
-            self.used += len(new)
-            slots = self.slot_of[ids]
-        return slots
+        """Slots of the batch's token ids (M,), giving new token types a slot (evicting if needed)."""
+        uniq, n = np.unique(ids, return_counts=True)
+        self.freq[uniq] += n
+        if not self.table.admit(uniq, self._evict_device):
+            raise UserError(
+                f"--memory-budget {self.budget} bytes cannot hold one batch: it counts {len(uniq)} token "
+                f"types × {self.slot_bytes} bytes; raise the budget or lower --batch-size")
+        return self.table.slot_of[ids]
+
+    def _evict_device(self, slots: np.ndarray) -> None:
+        """The device table's rows at `slots` (token-ascending) → the host tier, else a disk run."""
+        ids = self.table.tokens[slots]
+        if self.host is None or not self.host.admit(ids, self._evict_host):
+            self.disk.write(ids, self.table.fetcher(slots))
+            return
+        # host tier: rows gathered on the device, copied into pinned buffers asynchronously (the
+        # copy of one chunk overlaps the host's add of the previous), added into the host rows
+        host, chunk = self.host, self.disk.chunk
+        pin = self.master.type == "cuda"
+        if self._staging is None:
+            self._staging = [(torch.empty(chunk, self.d, dtype=torch.float64, pin_memory=pin),
+                              torch.empty(chunk, dtype=torch.int64, pin_memory=pin),
+                              torch.cuda.Event() if pin else None) for _ in range(2)]
+        src = torch.from_numpy(slots).to(self.master)
+        dst = torch.from_numpy(host.slot_of[ids])
+
+        def fold(layer, k, a, b):
+            rows, cnt, event = self._staging[k]
+            if event is not None:
+                event.synchronize()
+            host.sums[layer].index_add_(0, dst[a:b], rows[: b - a])
+            host.counts[layer].index_add_(0, dst[a:b], cnt[: b - a])
+
+        for layer in range(self.L):
+            pending = None
+            for i, a in enumerate(range(0, len(slots), chunk)):
+                b = min(a + chunk, len(slots))
+                rows, cnt, event = self._staging[i % 2]
+                rows[: b - a].copy_(self.table.sums[layer].index_select(0, src[a:b]), non_blocking=pin)
+                cnt[: b - a].copy_(self.table.counts[layer].index_select(0, src[a:b]), non_blocking=pin)
+                if event is not None:
+                    event.record()
+                if pending is not None:
+                    fold(layer, *pending)
+                pending = (i % 2, a, b)
+            if pending is not None:
+                fold(layer, *pending)
+
+    def _evict_host(self, slots: np.ndarray) -> None:
+        """The host tier's rows at `slots` (token-ascending) → a disk run."""
+        self.disk.write(self.host.tokens[slots], self.host.fetcher(slots))
 
     # ------------------------------------------------------------ the hot path
 
@@ -370,46 +404,22 @@ class TokenSums:
     def layer_rows(self, layer: int, chunk_rows: int | None = None
                    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """(token ids ascending (m,), counts (m,), Σû (m, d) float64) of one layer, in chunks of at
-        most `chunk_rows` rows; token types whose count is 0 at this layer are left out."""
-        chunk_rows = chunk_rows or max(256, (16 << 20) // (8 * self.d))
-        order = np.argsort(self.tokens[: self.used], kind="stable")
-        mem_ids = self.tokens[: self.used][order]  # (U,) ascending
-        mem_idx = torch.from_numpy(order).to(self.master)
-        counts_mem = self.counts[layer][: self.used].index_select(0, mem_idx).cpu().numpy()
-        if not self.spills:
-            for a in range(0, len(mem_ids), chunk_rows):
-                b = min(a + chunk_rows, len(mem_ids))
-                S = self.sums[layer].index_select(0, mem_idx[a:b]).cpu().numpy()
-                keep = counts_mem[a:b] > 0
-                yield mem_ids[a:b][keep], counts_mem[a:b][keep], S[keep]
-            return
-        spilled = [(np.load(p / "tokens.npy"), np.load(p / f"counts{layer}.npy"), open(p / f"sums{layer}.f64", "rb"))
-                   for p in self.spills]  # read by explicit ranges (no memory map: RSS stays bounded)
+        most `chunk_rows` rows; token types whose count is 0 at this layer are left out.  The disk
+        runs (oldest first), the host tier and the device table are merged per token-id range: each
+        spilled byte is read once, in bounded memory."""
+        chunk_rows = chunk_rows or self.disk.chunk
+        sources = [*self.disk.runs, *(t.source() for t in (self.host, self.table) if t is not None)]
+        union = _union([s.ids for s in sources])
         try:
-            yield from self._merged(spilled, mem_ids, mem_idx, counts_mem, layer, chunk_rows)
+            for a in range(0, len(union), chunk_rows):
+                ids = union[a: a + chunk_rows]
+                n, S = _merge_chunk(sources, layer, ids, self.d)
+                keep = n > 0
+                yield ids[keep], n[keep], S[keep]
         finally:
-            for _, _, f in spilled:
-                f.close()
+            for s in sources:
+                s.close()
 
-    def _merged(self, spilled, mem_ids, mem_idx, counts_mem, layer, chunk_rows):
-        row = 8 * self.d
-        for lo in range(0, self.V, chunk_rows):  # token-id ranges: each source adds ≤ chunk_rows rows
-            hi = min(lo + chunk_rows, self.V)
-            S = np.zeros((hi - lo, self.d), dtype=np.float64)
-            n = np.zeros(hi - lo, dtype=np.int64)
-            for ids, cnt, f in spilled:
-                i, j = np.searchsorted(ids, [lo, hi])
-                if j > i:
-                    f.seek(i * row)
-                    S[ids[i:j] - lo] += np.fromfile(f, dtype=np.float64, count=(j - i) * self.d).reshape(j - i, self.d)
-                    n[ids[i:j] - lo] += cnt[i:j]
-            i, j = np.searchsorted(mem_ids, [lo, hi])
-            if j > i:
-                S[mem_ids[i:j] - lo] += self.sums[layer].index_select(0, mem_idx[i:j]).cpu().numpy()
-                n[mem_ids[i:j] - lo] += counts_mem[i:j]
-            keep = np.flatnonzero(n)
-            if len(keep):
-                yield keep + lo, n[keep], S[keep]
 
     def dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(counts (V,), Σû (V, d)) of one layer as dense tables: for tests and small vocabularies."""
@@ -892,3 +902,305 @@ class Sample:
         """x: (M, d) raw vectors, rows in the order of the keys given to set_batch."""
         old, new, resort = self._plan
         self.vecs[layer] = torch.cat([self.vecs[layer][old], x[new.to(x.device)].float().cpu()])[resort]
+
+
+# ---------------------------------------------------------------- the token sums' tiers
+
+
+def _check_budget(budget, slot_bytes: int, what: str) -> None:
+    if budget is None:
+        return
+    if not isinstance(budget, int) or isinstance(budget, bool):
+        raise UserError(f"{what} {budget!r}: expected a number of bytes")
+    if budget < slot_bytes:
+        raise UserError(f"{what} {budget} bytes is below one token type's {slot_bytes} bytes")
+
+
+def default_host_budget() -> int:
+    """The host tier's default budget: half of the host memory free now."""
+    from .memory import available_memory
+    return available_memory(torch.device("cpu")) // 2
+
+
+class _SlotTable:
+    """A float64 slot table of token sums on one device: sums[layer] (capacity, d), counts[layer]
+    (capacity,), the maps token → slot (V,) and slot → token (capacity,) on the host, and the free
+    slots (evicted, reused first).  It grows ×1.25 within `budget`; when full, `admit` evicts the
+    least-counted EVICT of the resident types (by `freq`, the occurrences seen over the stream)."""
+
+    EVICT = 0.25  # share of the resident types evicted when the table is full
+
+    def __init__(self, n_layers: int, vocab: int, d: int, device, budget: int | None, freq: np.ndarray):
+        self.L, self.V, self.d = n_layers, vocab, d
+        self.device = torch.device(device)
+        self.budget = budget
+        self.freq = freq
+        self.slot_of = np.full(vocab, -1, dtype=np.int64)  # (V,) token → slot
+        self.peak_bytes = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty and release the table (nothing may be resident)."""
+        self.tokens = np.empty(0, dtype=np.int64)  # (capacity,) slot → token, −1 where free
+        self.used = 0  # slots handed out so far (high-water mark); free ones below it are in `free`
+        self.free = np.empty(0, dtype=np.int64)
+        self.sums = [torch.zeros(0, self.d, dtype=torch.float64, device=self.device) for _ in range(self.L)]
+        self.counts = [torch.zeros(0, dtype=torch.int64, device=self.device) for _ in range(self.L)]
+
+    @property
+    def capacity(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def resident(self) -> int:
+        return self.used - len(self.free)
+
+    def table_bytes(self) -> int:
+        return self.capacity * (self.L * (8 * self.d + 8) + 8)
+
+    def occupied(self) -> np.ndarray:
+        return np.flatnonzero(self.tokens[: self.used] >= 0)
+
+    def grow(self, need: int) -> bool:
+        """Make room for `need` slots (as far as the budget allows); whether they fit."""
+        cap = self.capacity
+        if need <= cap:
+            return True
+        new = min(max(cap + cap // 4, need, 1024), self.V)
+        row = 8 * self.d + 8
+        if self.budget is not None:
+            # growing one layer at a time: the old and the new copy of the last layer coexist
+            new = min(new, (self.budget - cap * row) // (self.L * row + 8))
+        if new > cap:
+            self.peak_bytes = max(self.peak_bytes, self.L * new * row + cap * row + 8 * new)  # ≥ table_bytes()
+            for layer in range(self.L):
+                grown = torch.zeros(new, self.d, dtype=torch.float64, device=self.device)
+                grown[:cap] = self.sums[layer]
+                self.sums[layer] = grown
+                counts = torch.zeros(new, dtype=torch.int64, device=self.device)
+                counts[:cap] = self.counts[layer]
+                self.counts[layer] = counts
+            self.tokens = np.concatenate([self.tokens, np.full(new - cap, -1, dtype=np.int64)])
+        return new >= need
+
+    def admit(self, ids: np.ndarray, evict) -> bool:
+        """Give every token of `ids` (distinct) a slot; when the table is full, the least-counted
+        half of the other resident types (at least as many as needed) is passed to `evict(slots)`
+        (token-ascending) and released.  False (nothing changed) when `ids` alone do not fit."""
+        new = ids[self.slot_of[ids] < 0]
+        if not len(new):
+            return True
+        short = len(new) - len(self.free)
+        if short > 0 and not self.grow(self.used + short):
+            room = self.capacity - self.resident
+            occupied = self.occupied()
+            cand = occupied[~np.isin(self.tokens[occupied], ids)]
+            need = len(new) - room
+            if need > len(cand):
+                return False
+            k = min(max(need, int(self.EVICT * len(occupied))), len(cand))
+            if k < len(cand):  # the k least counted (ties: the lower slot, deterministic)
+                order = np.lexsort((cand, self.freq[self.tokens[cand]]))
+                cand = cand[order[:k]]
+            victims = cand[np.argsort(self.tokens[cand])]
+            evict(victims)
+            self.release(victims)
+        k = min(len(new), len(self.free))
+        slots = np.concatenate([self.free[:k], np.arange(self.used, self.used + len(new) - k)])
+        self.free = self.free[k:]
+        self.used += len(new) - k
+        self.slot_of[new] = slots
+        self.tokens[slots] = new
+        return True
+
+    def release(self, slots: np.ndarray) -> None:
+        """Zero the rows at `slots` and make them free."""
+        idx = torch.from_numpy(slots).to(self.device)
+        for layer in range(self.L):
+            self.sums[layer].index_fill_(0, idx, 0)
+            self.counts[layer].index_fill_(0, idx, 0)
+        self.slot_of[self.tokens[slots]] = -1
+        self.tokens[slots] = -1
+        self.free = np.concatenate([self.free, slots])
+
+    def fetcher(self, slots: np.ndarray):
+        """fetch(layer, a, b) → (counts (b−a,), rows (b−a, d)) of slots[a:b], on the host."""
+        idx = torch.from_numpy(slots).to(self.device)
+
+        def fetch(layer: int, a: int, b: int):
+            return (self.counts[layer].index_select(0, idx[a:b]).cpu().numpy(),
+                    self.sums[layer].index_select(0, idx[a:b]).cpu().numpy())
+        return fetch
+
+    def source(self) -> "_TableSource":
+        occupied = self.occupied()
+        order = np.argsort(self.tokens[occupied], kind="stable")
+        return _TableSource(self.tokens[occupied][order], self.fetcher(occupied[order]))
+
+
+class _TableSource:
+    """A slot table's rows in token order, for merging: ids (n,) ascending, read(layer, i, j)."""
+
+    def __init__(self, ids: np.ndarray, fetch):
+        self.ids, self.read = ids, fetch
+
+    def close(self) -> None:
+        pass
+
+
+class _Run:
+    """One run on disk: tokens.npy (n,) ascending; per layer counts{l}.npy (n,) and sums{l}.f64,
+    (n, d) float64 raw rows, read by explicit ranges (no memory map: RSS stays bounded)."""
+
+    def __init__(self, path: Path, ids: np.ndarray, spill: "_Spill"):
+        self.path, self.ids, self._spill = path, ids, spill
+        self._layer, self._f, self._counts = None, None, None
+
+    def read(self, layer: int, i: int, j: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._layer != layer:
+            self.close()
+            self._counts = np.load(self.path / f"counts{layer}.npy")
+            self._f = open(self.path / f"sums{layer}.f64", "rb")
+            self._layer = layer
+        d = self._spill.d
+        self._f.seek(i * 8 * d)
+        rows = np.fromfile(self._f, dtype=np.float64, count=(j - i) * d).reshape(j - i, d)
+        self._spill.bytes_read += rows.nbytes + 8 * (j - i)
+        return self._counts[i:j], rows
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+        self._layer, self._f, self._counts = None, None, None
+
+
+def _union(ids: list[np.ndarray]) -> np.ndarray:
+    return np.unique(np.concatenate(ids)) if ids else np.empty(0, dtype=np.int64)
+
+
+def _merge_chunk(sources: list, layer: int, ids: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts (m,) and Σû (m, d) float64 of the sorted token ids `ids` (a contiguous piece of the
+    sources' union), the sources' rows added in the order given."""
+    S = np.zeros((len(ids), d), dtype=np.float64)
+    n = np.zeros(len(ids), dtype=np.int64)
+    if not len(ids):
+        return n, S
+    for src in sources:
+        i, j = np.searchsorted(src.ids, [ids[0], ids[-1] + 1])
+        if j > i:
+            pos = np.searchsorted(ids, src.ids[i:j])
+            c, rows = src.read(layer, i, j)
+            S[pos] += rows
+            n[pos] += c
+    return n, S
+
+
+class _Spill:
+    """The disk tier: runs of token-sorted float64 rows in a private directory under `root` (the
+    system's temp dir by default), merged as they accumulate: when the runs after the first (the
+    base) hold ≥ RATIO × its rows, all are merged into a new base in one k-way pass (the rows of a
+    token added in run order, oldest first), so a merge writes ≤ (1 + 1/RATIO) × the rows it
+    consumes beyond the base, and bytes written ≤ (2 + 1/RATIO) × bytes evicted.
+
+    Interrupted runs leave no garbage for long: a run is written under a temporary name and renamed
+    (fault point `spill` between its layers); the directory holds a `lock` file the process keeps
+    flock'ed, and the next accumulator that spills under the same root removes the directories whose
+    lock nobody holds (their process is dead: the kernel drops a flock with its holder)."""
+
+    PREFIX = "isotropy-spill-"
+    RATIO = 2  # merge when the runs after the base hold RATIO × its rows
+
+    def __init__(self, n_layers: int, d: int, root: str | Path | None):
+        self.L, self.d = n_layers, d
+        self.root = root
+        self.chunk = max(256, (16 << 20) // (8 * d))  # rows per read/write: 16 MiB
+        self.dir: Path | None = None
+        self._lock = None
+        self.runs: list[_Run] = []
+        self.evictions = 0
+        self.bytes_written = 0  # all runs: evicted and merged
+        self.bytes_evicted = 0  # the eviction runs alone (E)
+        self.bytes_read = 0
+        self._seq = 0
+
+    def _directory(self) -> Path:
+        if self.dir is None:
+            root = Path(self.root) if self.root is not None else Path(tempfile.gettempdir())
+            root.mkdir(parents=True, exist_ok=True)
+            remove_orphans(root)
+            new = Path(tempfile.mkdtemp(prefix="." + self.PREFIX, dir=root))
+            self._lock = open(new / "lock", "w")
+            if fcntl is not None:
+                fcntl.flock(self._lock, fcntl.LOCK_EX)
+            self.dir = new.rename(root / new.name[1:])  # visible to the sweep only once locked
+        return self.dir
+
+    def write(self, ids: np.ndarray, fetch, evicted: bool = True) -> None:
+        """A run of the token ids (n,) ascending and their rows, fetch(layer, a, b) → (counts, rows)."""
+        path = self._directory() / f"{self._seq:05d}"
+        self._seq += 1
+        tmp = path.with_name(path.name + ".tmp")
+        try:
+            tmp.mkdir()
+            np.save(tmp / "tokens.npy", ids)
+            for layer in range(self.L):
+                counts = []
+                with open(tmp / f"sums{layer}.f64", "wb") as f:
+                    for a in range(0, len(ids), self.chunk):
+                        c, rows = fetch(layer, a, min(a + self.chunk, len(ids)))
+                        f.write(np.ascontiguousarray(rows, dtype=np.float64).tobytes())
+                        counts.append(c)
+                np.save(tmp / f"counts{layer}.npy", np.concatenate(counts) if counts else np.empty(0, np.int64))
+                faults.hit("spill")
+        except OSError as e:  # a full or unwritable disk: one line (the directory goes at close)
+            raise UserError(f"spilling token sums to {self.dir}: {e.strerror or e}; free space there, "
+                            f"choose another --spill-dir or raise --memory-budget") from e
+        written = sum(p.stat().st_size for p in tmp.iterdir())
+        self.bytes_written += written
+        tmp.rename(path)
+        self.runs.append(_Run(path, ids, self))
+        if evicted:
+            self.evictions += 1
+            self.bytes_evicted += written
+            self._merge()
+
+    def _merge(self) -> None:
+        if len(self.runs) < 2 or sum(len(r.ids) for r in self.runs[1:]) < self.RATIO * len(self.runs[0].ids):
+            return
+        runs, self.runs = self.runs, []
+        union = _union([r.ids for r in runs])
+        try:
+            self.write(union, lambda layer, a, b: _merge_chunk(runs, layer, union[a:b], self.d), evicted=False)
+        finally:
+            for r in runs:
+                r.close()
+        for r in runs:
+            shutil.rmtree(r.path)
+
+    def close(self) -> None:
+        for r in self.runs:
+            r.close()
+        self.runs = []
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+
+def remove_orphans(root: Path) -> list[Path]:
+    """Remove the spill directories under `root` whose lock no process holds (left by a killed
+    run); returns them.  A directory whose lock file cannot be opened is kept (not provably garbage)."""
+    removed = []
+    if fcntl is None:
+        return removed
+    for d in root.glob(_Spill.PREFIX + "*"):
+        try:
+            with open(d / "lock", "r+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+        except OSError:  # held by a live process, or no lock file
+            continue
+    return removed

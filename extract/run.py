@@ -115,7 +115,8 @@ class SourceResult:
     skipped_lines: int = 0
     filtered: int = 0
     seconds: float = 0.0
-    spills: int = 0  # times the token sums were spilled to stay under the memory budget
+    spills: int = 0  # eviction runs written to disk to stay under the memory budget (extract/accumulate.py)
+    spill_bytes: int = 0  # bytes written to spill files (eviction runs and their merges)
     accumulator_peak_bytes: int = 0
     vector_dtype: str | None = None  # the token vectors as stored: --vector-dtype, float32 where float16 overflows
     files: dict = field(default_factory=dict)
@@ -409,7 +410,8 @@ def _finish(result: SourceResult, acc: TokenSums, stats: ReadStats) -> None:
     result.skipped_lines = stats.skipped_lines
     result.nonfinite = int(acc.nonfinite.sum())
     result.zero = int(acc.zero.sum())
-    result.spills = len(acc.spills)
+    result.spills = acc.spill_count
+    result.spill_bytes = acc.spill_bytes
     result.accumulator_peak_bytes = acc.peak_bytes
 
 
