@@ -86,8 +86,10 @@ class TokenSums:
         # On a GPU, a few compiled kernels per layer (norm; scale + scatter-add; per-window
         # reductions) instead of ~15 eager ones, the float64 û never written to memory: `layer_step`.
         use = self.device.type == "cuda" and not self.fold_partials and not self.segment if fused is None else fused
-        self._fused = torch.compile(layer_step, dynamic=True) if use else None
+        self._fused = _compiled_layer_step() if use else None
         self._compiled_once = False
+        # the code paths this run takes (recorded with the run; a slower one also warns once, one line)
+        self.paths: dict[str, str] = {"layer_step": "compiled" if use else "eager", "scatter": scatter}
         self.moments: Moments | None = None  # optional consumers of the raw (unnormalised) vectors
         self.sample: Sample | None = None
         self.extra = None  # optional WindowMeasures (extract/sequences.py)
@@ -218,12 +220,14 @@ class TokenSums:
         d = hidden.shape[-1]
         if self._fused is not None and self.sample is None and uniq is None:
             try:
-                stats = self._fused(self.sums[layer], self.counts[layer], index, hidden, sel, self._counted)
-            except Exception as e:  # no Triton / compiler on this machine: the eager path, same sums
-                if self._compiled_once:
-                    raise
-                warnings.warn(f"torch.compile of the accumulation step failed ({type(e).__name__}); "
-                              f"using the eager path", RuntimeWarning, stacklevel=2)
+                stats = _run_compiled(self._fused, self.sums[layer], self.counts[layer], index, hidden, sel,
+                                      self._counted)
+            except Exception as e:  # no Triton / compiler here, or a recompile failed or hit the limit:
+                # the eager path from here on, same sums (a compile fails before the step writes anything)
+                why = "recompile" if self._compiled_once else "compile"
+                slow_path(self.paths, "layer_step", f"eager ({why} failed: {type(e).__name__})",
+                          f"torch.compile of the accumulation step: {why} failed ({type(e).__name__}: "
+                          f"{_first_line(e)}); using the eager path (slower, same sums)")
                 self._fused = None
             else:
                 self._compiled_once = True
@@ -442,6 +446,48 @@ def window_sums(h: torch.Tensor, norm: torch.Tensor, x: torch.Tensor, ok: torch.
     E[win + n_win, cols] = ok.to(torch.float64)
     mu = E @ x  # (2B, d)
     return mu[:n_win], mu[n_win:]
+
+
+def slow_path(paths: dict, key: str, value: str, message: str) -> None:
+    """Record that `key` takes the slower path `value` (kept with the run's stats) and say so once, in one
+    line (a RuntimeWarning: the CLI prints it, a test can catch it)."""
+    if paths.get(key) == value:
+        return
+    paths[key] = value
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+@functools.cache
+def _compiled_layer_step():
+    """`layer_step` under torch.compile, one compiled function per process.  Shapes: the sizes that
+    change between batches (B, T, the counted rows M, the table's slots U) are marked *unbacked* on
+    every call (`_run_compiled`): the graph is compiled once for any size — no 0/1 specialisation (a
+    source's last batch with B = 1, a one-token window T = 1) and no duck sizing (T equal to d in
+    the first batch would tie T to d) — and d, the same in every call, stays static.  With
+    `dynamic=True` each of those cost a recompile (20–60 s on a GPU) and, after 8, torch ran the
+    step eagerly without a word."""
+    return torch.compile(layer_step, dynamic=None)
+
+
+def _run_compiled(fn, sums, counts, index, hidden, sel, counted):
+    """Call the compiled `layer_step`, its changing sizes marked unbacked (see `_compiled_layer_step`),
+    and with torch's recompile limit made an error (caught by `add`: the eager path, with a warning)
+    instead of a silent fallback to eager inside torch."""
+    import torch._dynamo.decorators  # loaded by torch.compile already; named here for the linters
+
+    mark = torch._dynamo.decorators.mark_unbacked
+    for t in (sums, counts, index, sel):
+        mark(t, 0)
+    for t in (hidden, counted):
+        mark(t, 0)
+        mark(t, 1)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        return fn(sums, counts, index, hidden, sel, counted)
 
 
 def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hidden: torch.Tensor,
