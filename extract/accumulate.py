@@ -180,6 +180,14 @@ class TokenSums:
 
     # ------------------------------------------------------------ the hot path
 
+    def _h2d(self, a) -> torch.Tensor:
+        """A host array or tensor on the device; to a GPU through pinned memory, so the copy is
+        asynchronous (from pageable memory a `non_blocking` copy makes the host wait)."""
+        t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
+
     def set_batch(self, input_ids: torch.Tensor, counted: torch.Tensor, where: torch.Tensor | None = None) -> int:
         """input_ids, counted: (B, T) on the host; counted marks the positions that enter the
         statistics; where: (B, T, 2) each position's document and position in it (for `extra`).
@@ -188,7 +196,7 @@ class TokenSums:
         sel_np = np.flatnonzero(counted_np)  # (M,)
         ids = input_ids.reshape(-1).numpy()[sel_np].astype(np.int64)  # (M,)
         slots = self._assign(ids)
-        sel = torch.from_numpy(sel_np).to(self.device, non_blocking=True)
+        sel = self._h2d(sel_np)
         B, T = input_ids.shape
         win_np = sel_np // T  # (M,) each counted row's window
         if self.extra is not None:
@@ -196,20 +204,20 @@ class TokenSums:
                 [where.reshape(-1, 2).numpy()[sel_np], ids[:, None]], 1)  # (M, 3) document, position, token
             self.extra.set_batch(win_np, B, meta)
         # per batch, for every layer's window sums: row windows, column indices, vectors per window
-        self._windows = (torch.from_numpy(win_np).to(self.device, non_blocking=True), B,
+        self._windows = (self._h2d(win_np), B,
                          torch.arange(len(sel_np), device=self.device),
-                         torch.from_numpy(np.bincount(win_np, minlength=B)).to(self.device, non_blocking=True))
-        self._counted = counted.to(self.device, non_blocking=True) if self._fused is not None else None
+                         self._h2d(np.bincount(win_np, minlength=B)))
+        self._counted = self._h2d(counted) if self._fused is not None else None
         if self.segment:  # the batch's rows sorted by slot once; per layer, segment sums over the runs
             order = np.argsort(slots, kind="stable")  # (M,)
             uniq, lengths = np.unique(slots[order], return_counts=True)  # (U,), (U,)
-            to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+            to = self._h2d
             self._segments = (to(order), to(lengths), to(uniq).to(self.master))
         if not self.fold_partials:
-            self._batch = (sel, torch.from_numpy(slots).to(self.device, non_blocking=True), None)
+            self._batch = (sel, self._h2d(slots), None)
         else:  # fold a per-batch partial over the batch's distinct tokens into the remote master
             uniq, inv = np.unique(slots, return_inverse=True)  # (U,), (M,)
-            self._batch = (sel, torch.from_numpy(inv.reshape(-1)).to(self.device, non_blocking=True),
+            self._batch = (sel, self._h2d(inv.reshape(-1)),
                            torch.from_numpy(uniq).to(self.master))
         self._ones = torch.ones(len(ids), dtype=torch.int64, device=self.device)
         return len(ids)
@@ -558,26 +566,26 @@ def _avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-def _mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _mm_bf16(a: torch.Tensor, b: torch.Tensor, out_dtype: bool = False) -> torch.Tensor:
     """a b in float32 for bfloat16 a (i, k), b (k, j): every product exact (8-bit significands),
-    accumulated in float32.  On a GPU one tensor-core GEMM with a float32 output (`out_dtype`, no
-    rounding of the result to bf16); elsewhere the operands upcast exactly to float32, the same
-    arithmetic in another summation order."""
-    if a.is_cuda and _mm_out_dtype():
+    accumulated in float32.  `out_dtype` (a GPU where `_mm_out_dtype` said yes): one tensor-core GEMM
+    with a float32 output (no rounding of the result to bf16); else the operands upcast exactly to
+    float32, the same arithmetic in another summation order (the CPU's path; on a GPU ~10× slower)."""
+    if out_dtype:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 
 @functools.cache
-def _mm_out_dtype() -> bool:
-    """Whether this torch has `torch.mm(..., out_dtype=)` for CUDA (bf16 in, float32 out); asked
-    once, on first use (not at import: that would start CUDA for every command)."""
+def _mm_out_dtype(device: torch.device) -> bool:
+    """Whether this torch has `torch.mm(..., out_dtype=)` (bf16 in, float32 out) on `device` — the
+    device of the rows (under torchrun each rank its own GPU; never a default "cuda", which would open
+    a context on GPU 0 in every rank); asked once per device, on first use (not at import)."""
     try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
         return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
     except (TypeError, RuntimeError, NotImplementedError):
         return False
-
 
 
 class Moments:
@@ -639,6 +647,12 @@ class Moments:
         self._chunked = self._shifted and dev.type == "cpu"
         self._bufs = [torch.empty(0, dtype=self._dtype, device=dev) for _ in range(2)]  # layers alternate
         self._pair = torch.empty(0, dtype=torch.bfloat16, device=dev)  # bfloat16: (M, 2d), layers alternate halves
+        self._tensor_cores = dev.type == "cuda"  # bf16 products with a float32 output, where torch has them
+        self._out_dtype: bool | None = None  # decided at the first bf16 rows (`add`)
+        self.paths: dict[str, str] = {"moments": {
+            "float64": "float64", "bfloat16": "bfloat16 (tensor cores, float32 out)" if self._tensor_cores else
+            "bfloat16 (float32 products of the upcast rows)",
+            "float32": "float32 (centred" + (", oneDNN)" if self._nt is not None else ")")}[precision]}
         if background is None:  # on a CPU: the moments' work fills the cores the forward leaves idle
             background = dev.type == "cpu"
         if not background:
@@ -678,6 +692,12 @@ class Moments:
                             f"{str(h.dtype).removeprefix('torch.')}: use --moments-precision float32")
         dev = self._s1.device
         h, ok = h.to(dev), ok.to(dev)
+        if self._bf16 and self._out_dtype is None:  # decided once, on the caller's thread (warnings)
+            self._out_dtype = self._tensor_cores and _mm_out_dtype(h.device)
+            if self._tensor_cores and not self._out_dtype:
+                slow_path(self.paths, "moments", "bfloat16 (float32 products: no mm out_dtype)",
+                          f"--moments-precision bfloat16: this torch {torch.__version__} has no torch.mm(..., "
+                          f"out_dtype=float32) on {h.device}; the products run in float32 (~10x slower)")
         if self._worker is None:
             self._add(layer, h, ok)
         else:  # h and ok are this batch's own tensors: nothing else writes them
@@ -750,7 +770,7 @@ class Moments:
         if self._cross is None:  # no pairing: the rows as they are, no copy into the pair buffer
             for a in range(0, M, self.CHUNK_BF16):
                 x = h[a: a + self.CHUNK_BF16]  # (k, d)
-                self._s2[layer] += _mm_bf16(x.T, x)
+                self._s2[layer] += _mm_bf16(x.T, x, self._out_dtype)
             return
         if self._pair.shape[0] < M or self._pair.shape[1] != 2 * d:
             self._pair = torch.empty(M, 2 * d, dtype=torch.bfloat16, device=h.device)
@@ -767,12 +787,12 @@ class Moments:
         for a in range(0, M, self.CHUNK_BF16):
             rows = buf[a: a + self.CHUNK_BF16]  # (k, 2d)
             if paired:  # rows of [Σ h_prev hᵀ ; Σ h hᵀ] or the reverse, by which half is which
-                P = _mm_bf16(rows.T, rows[:, cur])  # (2d, d) float32
+                P = _mm_bf16(rows.T, rows[:, cur], self._out_dtype)  # (2d, d) float32
                 self._s2[layer] += P[cur]
                 self._cross[layer - 1] += P[(1 - half) * d: (2 - half) * d]
             else:
                 x = rows[:, cur]
-                self._s2[layer] += _mm_bf16(x.T, x)  # (d, d)
+                self._s2[layer] += _mm_bf16(x.T, x, self._out_dtype)  # (d, d)
 
     def finish(self) -> None:
         """Wait for the queued work (re-raising its error); the sums are complete after."""

@@ -105,3 +105,134 @@ def test_recompile_limit_is_an_error_not_a_silent_eager_fallback(monkeypatch):
     t = [torch.zeros(3, 2), torch.zeros(3), torch.zeros(3), torch.zeros(1, 3, 2), torch.zeros(3), torch.zeros(1, 3)]
     assert accumulate._run_compiled(fn, *t) == "ok" and seen["fail"] is True
     assert not torch._dynamo.config.fail_on_recompile_limit_hit  # only around the call
+
+
+def test_bf16_product_probe_runs_on_the_rows_device_and_its_fallback_warns(monkeypatch):
+    """The `out_dtype` probe is asked about the rows' own device (never a default "cuda"), once; where
+    it says no on a GPU, the products run in float32 with one one-line warning and the path recorded
+    — and the sums stay right (against float64 products)."""
+    asked = []
+
+    def probe(device):
+        asked.append(device)
+        return False
+
+    monkeypatch.setattr(accumulate, "_mm_out_dtype", probe)
+    gen = torch.Generator().manual_seed(2)
+    d = 6
+    fast = Moments(2, d, "cpu", precision="bfloat16", background=False)
+    assert fast.paths["moments"] == "bfloat16 (float32 products of the upcast rows)"
+    fast._tensor_cores = True  # what a GPU's Moments sets: the probe is asked
+    exact = Moments(2, d, "cpu", precision="float64", background=False)
+    with pytest.warns(RuntimeWarning) as caught:
+        for _ in range(3):
+            ok = torch.ones(20, dtype=torch.bool)
+            for layer in range(2):
+                h = (torch.randn(20, d, generator=gen) + 3).bfloat16()
+                for m in (fast, exact):
+                    m.add(layer, h, ok)
+    msgs = [str(w.message) for w in caught if "out_dtype" in str(w.message)]
+    assert len(msgs) == 1 and "\n" not in msgs[0] and "float32 (~10x slower)" in msgs[0]
+    assert asked == [torch.device("cpu")]  # the rows' device, once
+    assert fast.paths["moments"] == "bfloat16 (float32 products: no mm out_dtype)" and fast._out_dtype is False
+    for layer in range(2):
+        ref = exact.s2(layer)
+        assert np.abs(fast.s2(layer) - ref).max() <= 1e-6 * np.abs(ref).max()
+
+
+def test_the_probe_itself_fails_closed(monkeypatch):
+    """`_mm_out_dtype` on a device whose torch.mm rejects `out_dtype` answers False (not an error)."""
+    accumulate._mm_out_dtype.cache_clear()
+
+    def mm(*a, **k):
+        raise TypeError("mm() got an unexpected keyword argument 'out_dtype'")
+
+    monkeypatch.setattr(torch, "mm", mm)
+    try:
+        assert accumulate._mm_out_dtype(torch.device("cpu")) is False
+    finally:
+        accumulate._mm_out_dtype.cache_clear()
+
+
+def _sums(model_dir, source_path, monkeypatch, prefetch: int, mask_only_with_padding: bool, **settings):
+    from extract import run
+    from extract.models import load, resolve_model
+    from extract.sources import Source
+
+    monkeypatch.setattr(run, "PREFETCH_BATCHES", prefetch)
+    monkeypatch.setattr(run, "MASK_ONLY_WITH_PADDING", mask_only_with_padding)
+    seen = []
+    real = run.base_forward
+
+    def spy(loaded, s):  # which batches went in without a mask
+        fwd = real(loaded, s)
+
+        def go(ids, mask):
+            seen.append(bool(mask.all()))
+            return fwd(ids, mask)
+        return go
+
+    monkeypatch.setattr(run, "base_forward", spy)
+    loaded = load(resolve_model(str(model_dir)), "main", torch.float32, "cpu")
+    s = run.Settings(**settings)
+    result = run.SourceResult("alpha")
+    acc = run.accumulate_source(loaded, Source("alpha", source_path), s, result)
+    try:
+        out = [acc.dense(layer) for layer in range(acc.L)]
+        return out, acc.moments.s1.clone(), acc.moments.s2(1), acc.sum_h.clone(), acc.window_cos.clone(), result, seen
+    finally:
+        acc.close()
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "bert"])
+def test_background_batches_and_no_mask_without_padding_give_identical_sums(family, model_factory, sources,
+                                                                             monkeypatch):
+    """The batch loop with batches made on a background thread and attention_mask=None for batches
+    without padding: the token sums, moments and window sums equal the old loop's (batches made in
+    the loop, a mask always) bit for bit — batches of one window (no padding) and of several."""
+    model = model_factory(family)
+    for size in (1, 4):
+        old = _sums(model, sources["alpha"], monkeypatch, 0, False, batch_size=size, max_length=24)
+        new = _sums(model, sources["alpha"], monkeypatch, 4, True, batch_size=size, max_length=24)
+        for (ce, se), (cn, sn) in zip(old[0], new[0]):
+            assert torch.equal(ce, cn) and torch.equal(se, sn)
+        assert torch.equal(old[1], new[1]) and np.array_equal(old[2], new[2])
+        assert torch.equal(old[3], new[3]) and torch.equal(old[4], new[4])
+        assert old[5].tokens == new[5].tokens > 0 and old[5].documents == new[5].documents
+        assert any(old[6]) and (size == 1) == all(old[6])  # some batches had no padding (all, one window each)
+        assert new[5].paths == {"layer_step": "eager", "scatter": "atomic", "moments": old[5].paths["moments"]}
+
+
+def test_prefetch_hands_on_errors_and_stops_its_thread_when_the_reader_leaves():
+    """An error while making batches reaches the reader; a reader that stops early (Ctrl-C, a fault)
+    leaves no thread behind, even with the producer blocked on a full queue."""
+    import threading
+
+    from extract.staging import Prefetch
+
+    def bad():
+        yield (torch.zeros(1),)
+        raise ValueError("bad source line")
+
+    with pytest.raises(ValueError, match="bad source line"):
+        with Prefetch(bad, "cpu", 2) as p:
+            list(p)
+    closed = threading.Event()
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                i += 1
+                yield (torch.full((1,), i),)
+        finally:
+            closed.set()
+
+    before = threading.active_count()
+    with pytest.raises(KeyboardInterrupt):
+        with Prefetch(endless, "cpu", 2) as p:
+            for n, (t,) in enumerate(p):
+                assert int(t) == n + 1  # in order
+                if n == 5:
+                    raise KeyboardInterrupt
+    assert closed.wait(5) and threading.active_count() == before
