@@ -647,6 +647,10 @@ class Moments:
         self._chunked = self._shifted and dev.type == "cpu"
         self._bufs = [torch.empty(0, dtype=self._dtype, device=dev) for _ in range(2)]  # layers alternate
         self._pair = torch.empty(0, dtype=torch.bfloat16, device=dev)  # bfloat16: (M, 2d), layers alternate halves
+        self._split: list[bool | None] = [None] * n_layers  # bf16: centred hi+lo rows (decided at the first batch)
+        self._ratio: list[float | None] = [None] * n_layers  # bf16: the first batch's ‖μ‖²/tr C per layer
+        self._pair_rows_of: list = [None, None]  # bf16: which (layer, rows) each half of the pair buffer holds
+        self._pair_ok = False
         self._tensor_cores = dev.type == "cuda"  # bf16 products with a float32 output, where torch has them
         self._out_dtype: bool | None = None  # decided at the first bf16 rows (`add`)
         self.paths: dict[str, str] = {"moments": {
@@ -755,35 +759,55 @@ class Moments:
                 self._cross[layer - 1] += self._nt(px[i], xc) if T else (px[i].T @ xc).to(torch.float64)
 
     def _add_bf16(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> None:
-        """precision "bfloat16": the raw rows as they are (bf16 hidden states: no centre, whose
-        subtraction would round), so every product is exact in float32; float32 accumulation over
-        ≤ CHUNK_BF16 rows per product (tensor cores on a GPU), each product added into the float64
-        sums.  With cross moments, a layer's rows go to one half of an (M, 2d) buffer, the halves
-        alternating by layer, so that its Gram matrix and the cross moment with the previous layer
-        (the other half, the same rows) are one product: [h_prev | h]ᵀ h, (2d, d) — full, not the
-        upper triangle (one larger product instead of two smaller ones); without, hᵀh of the rows
-        as they are."""
+        """precision "bfloat16": products of bf16 rows, every one exact in float32; float32
+        accumulation over ≤ CHUNK_BF16 rows per product (tensor cores on a GPU), each product added
+        into the float64 sums.  How the rows go in is decided per layer at its first batch, from
+        that batch's ‖μ‖²/tr C (one host read per layer, once):
+
+        * ≤ SPLIT_RATIO: the raw rows as they are.  With cross moments, a layer's rows go to one half
+          of an (M, 2d) buffer, the halves alternating by layer, so that its Gram matrix and the
+          cross moment with the previous layer (the other half, the same rows) are one product:
+          [h_prev | h]ᵀ h, (2d, d) — full, not the upper triangle; without, hᵀh of the rows.
+        * above (a large mean: float32 sums of raw products lose the covariance, the error growing
+          like ‖μ‖²/tr C): the rows centred on a bf16 centre c (the first batch's mean, rounded),
+          x = h − c in float32 (exact: both have 8-bit significands), split into bf16 parts
+          x = hi + lo (+ 2⁻¹⁸|x| at most), and Σ x xᵀ = Σ hiᵀhi + hiᵀlo + loᵀhi + loᵀlo as one
+          product of 4× the rows; rows that are not ok are zeroed after centring, and the shift is
+          undone in float64 when the sums are read (`s2`, `cross`).  Four times the multiply-adds,
+          for that layer only; the error no longer grows with the mean."""
         M, d = h.shape
-        self._n[layer] += ok.sum()
-        self._s1[layer] += h.sum(0, dtype=torch.float64)
+        s = h.sum(0, dtype=torch.float64)  # (d,) Σh of the batch
+        n = ok.sum()
+        self._n[layer] += n
+        self._s1[layer] += s
         self._rows[layer] += M
-        if self._cross is None:  # no pairing: the rows as they are, no copy into the pair buffer
-            for a in range(0, M, self.CHUNK_BF16):
-                x = h[a: a + self.CHUNK_BF16]  # (k, d)
-                self._s2[layer] += _mm_bf16(x.T, x, self._out_dtype)
-            return
-        if self._pair.shape[0] < M or self._pair.shape[1] != 2 * d:
-            self._pair = torch.empty(M, 2 * d, dtype=torch.bfloat16, device=h.device)
-            self._prev = None  # the previous layer's rows were not kept
-        half = layer % 2
-        cur = slice(half * d, (half + 1) * d)
-        buf = self._pair[:M]
-        buf[:, cur] = h  # exact copy
-        paired = self._prev is not None and self._prev[0] == layer - 1 and self._prev[1] == M
+        if self._split[layer] is None:
+            self._decide(layer, h, s, n)
+        parts = self._parts(layer, h, ok)  # bf16 (M, d) each: (h,) or (hi, lo)
+        prev = self._prev if self._cross is not None else None
+        paired = prev is not None and prev[0] == layer - 1 and prev[1] == M
         if paired:
-            pok = self._prev[2]
-            self._n_pair[layer - 1] += (pok & ok).sum()
-        self._prev = (layer, M, ok)
+            self._n_pair[layer - 1] += (prev[2] & ok).sum()
+        raw = not self._split[layer] and (not paired or not self._split[layer - 1])
+        if self._cross is None or not raw:
+            if self._cross is not None:  # the previous layer's parts are kept for the cross moment
+                if paired and raw is False:
+                    both = (prev[2] & ok).unsqueeze(1)  # (M, 1) rows counted in both layers
+                    self._pair_s[layer - 1, 0] += torch.where(both, prev[4], 0).sum(0, dtype=torch.float64)
+                    self._pair_s[layer - 1, 1] += torch.where(both, h, 0).sum(0, dtype=torch.float64)
+                self._prev = (layer, M, ok, parts, h)
+            for a in range(0, M, self.CHUNK_BF16):
+                P = [x[a: a + self.CHUNK_BF16] for x in parts]  # (k, d) each
+                self._s2[layer] += self._gram(P, P)
+                if paired:
+                    self._cross[layer - 1] += self._gram([x[a: a + self.CHUNK_BF16] for x in prev[3]], P)
+            if self._cross is not None:  # a later raw layer pairs with this one through the buffer
+                self._pair_fill(layer, h)
+            return
+        # raw rows (this layer and the previous one): the pair buffer, one product per chunk
+        buf, cur, half = self._pair_fill(layer, h)
+        paired = paired and self._pair_ok
+        self._prev = (layer, M, ok, parts, h)
         for a in range(0, M, self.CHUNK_BF16):
             rows = buf[a: a + self.CHUNK_BF16]  # (k, 2d)
             if paired:  # rows of [Σ h_prev hᵀ ; Σ h hᵀ] or the reverse, by which half is which
@@ -793,6 +817,53 @@ class Moments:
             else:
                 x = rows[:, cur]
                 self._s2[layer] += _mm_bf16(x.T, x, self._out_dtype)  # (d, d)
+
+    SPLIT_RATIO = 1.0  # ‖μ‖²/tr C above which a layer's bf16 rows are centred and split (see _add_bf16)
+
+    def _decide(self, layer: int, h: torch.Tensor, s: torch.Tensor, n: torch.Tensor) -> None:
+        """A layer's first batch: raw or centred-and-split rows, from its ‖μ‖²/tr C (one host read)."""
+        k = n.clamp(min=1).double()
+        mu = s / k  # (d,)
+        q = h.double().square().sum() / k  # mean ‖h‖² over the counted rows (zeroed rows add nothing)
+        mu2 = mu.square().sum()
+        ratio = float(mu2 / (q - mu2).clamp_min(1e-300))
+        self._ratio[layer] = ratio
+        self._split[layer] = ratio > self.SPLIT_RATIO
+        if self._split[layer]:
+            self._c[layer] = mu.to(torch.bfloat16).float()  # a bf16 value: h − c is exact in float32
+            self.paths["moments"] = self.paths["moments"].split(" [")[0] + " [centred hi+lo rows where " \
+                f"|mu|^2/tr C > {self.SPLIT_RATIO:g}]"
+
+    def _parts(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self._split[layer]:
+            return (h,)
+        x = torch.where(ok.unsqueeze(1), h.float() - self._c[layer], 0.0)  # (M, d) float32, exact
+        hi = x.to(torch.bfloat16)
+        lo = (x - hi.float()).to(torch.bfloat16)  # x − hi exact in float32; |lo| ≤ 2⁻⁹|x|
+        return hi, lo
+
+    def _gram(self, A: list[torch.Tensor], B: list[torch.Tensor]) -> torch.Tensor:
+        """Σ_{p, q} A_pᵀ B_q, (d, d) float32, as one product over the parts stacked along the rows."""
+        if len(A) == 1 and len(B) == 1:
+            return _mm_bf16(A[0].T, B[0], self._out_dtype)
+        left = torch.cat([a for a in A for _ in B])  # (|A||B| k, d)
+        right = torch.cat([b for _ in A for b in B])
+        return _mm_bf16(left.T, right, self._out_dtype)
+
+    def _pair_fill(self, layer: int, h: torch.Tensor):
+        """The layer's raw rows into its half of the pair buffer; returns (buffer rows, its half's
+        columns, the half).  `_pair_ok`: whether the other half holds the previous layer's rows."""
+        M, d = h.shape
+        if self._pair.shape[0] < M or self._pair.shape[1] != 2 * d:
+            self._pair = torch.empty(M, 2 * d, dtype=torch.bfloat16, device=h.device)
+            self._pair_rows_of = [None, None]  # the previous layer's rows were not kept
+        half = layer % 2
+        cur = slice(half * d, (half + 1) * d)
+        buf = self._pair[:M]
+        buf[:, cur] = h  # exact copy
+        self._pair_ok = self._pair_rows_of[1 - half] == (layer - 1, M)
+        self._pair_rows_of[half] = (layer, M)
+        return buf, cur, half
 
     def finish(self) -> None:
         """Wait for the queued work (re-raising its error); the sums are complete after."""
@@ -812,6 +883,9 @@ class Moments:
         if self._shifted:
             c, s = self._c[layer].double(), self._s1[layer]
             S = S + torch.outer(c, s) + torch.outer(s, c) - self._rows[layer] * torch.outer(c, c)
+        elif self._bf16 and self._split[layer]:  # centred rows, zeroed where not ok: n rows of −c fewer
+            c, s = self._c[layer].double(), self._s1[layer]
+            S = S + torch.outer(c, s) + torch.outer(s, c) - self._n[layer].double() * torch.outer(c, c)
         return S.cpu().numpy()
 
     def cross(self, layer: int) -> np.ndarray:
@@ -822,6 +896,10 @@ class Moments:
             a, b = self._c[layer].double(), self._c[layer + 1].double()
             sa, sb = self._pair_s[layer, 0], self._pair_s[layer, 1]
             C = C + torch.outer(sa, b) + torch.outer(a, sb) - self._pair_rows[layer] * torch.outer(a, b)
+        elif self._bf16 and (self._split[layer] or self._split[layer + 1]):  # over the rows counted in both
+            a, b = self._c[layer].double(), self._c[layer + 1].double()  # 0 for a raw layer
+            sa, sb = self._pair_s[layer, 0], self._pair_s[layer, 1]
+            C = C + torch.outer(sa, b) + torch.outer(a, sb) - self._n_pair[layer].double() * torch.outer(a, b)
         return C.cpu().numpy()
 
 
