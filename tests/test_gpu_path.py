@@ -293,3 +293,26 @@ def test_bf16_moments_error_is_bounded_whatever_the_mean():
         assert np.abs(inline.cross(layer) - X64).max() <= 1e-6 * np.abs(X64).max(), layer
         assert np.array_equal(inline.cross(layer), thread.cross(layer))
     thread.close()
+
+
+def test_doctor_measures_checks_and_saves_a_report(model_factory, sources, tmp_path):
+    """`cli.py doctor` on a tiny model for a fraction of a second: the ratio, tok/s, peak memory, the
+    paths taken, the check against float64 and versions, printed and saved as JSON; bad input is one
+    error line and exit code 2."""
+    import json
+
+    from conftest import run_cli
+
+    out = tmp_path / "doctor.json"
+    code, _, err = run_cli("doctor", "--model", model_factory("gpt_neox"), "--device", "cpu", "--seconds", "0.2",
+                           "--batches", "2", "--batch-tokens", "64", "--max-length", "24", "--source", f"alpha={sources['alpha']}", "--out", out)
+    assert code == 0, err
+    rep = json.loads(out.read_text())
+    assert rep["device"] == "cpu" and rep["passes"] >= 1 and rep["batches"] == 2 and rep["tokens_per_pass"] > 0
+    assert rep["bare_tok_s"] > 0 and rep["default_tok_s"] > 0 and rep["ratio"] > 0 and rep["peak_memory_bytes"] > 0
+    assert rep["paths"] == {"layer_step": "eager", "scatter": "atomic", "moments": "float32 (centred, oneDNN)"
+                            if accumulate._ONEDNN is not None and accumulate._avx512() else "float32 (centred)"}
+    assert rep["check"]["token_sums_max_rel_error"] <= 1e-12 and rep["check"]["moments_covariance_max_rel_error"] <= 1e-5
+    assert rep["versions"]["torch"] and "ratio" in err and "saved:" in err
+    code, _, err = run_cli("doctor", "--model", model_factory("gpt_neox"), "--seconds", "0", "--out", out)
+    assert code == 2 and err.strip() == "error: --seconds 0.0: expected a positive number"
