@@ -657,6 +657,8 @@ class Moments:
             "float64": "float64", "bfloat16": "bfloat16 (tensor cores, float32 out)" if self._tensor_cores else
             "bfloat16 (float32 products of the upcast rows)",
             "float32": "float32 (centred" + (", oneDNN)" if self._nt is not None else ")")}[precision]}
+        if self._bf16:
+            self.paths["moments_rows"] = "raw"
         if background is None:  # on a CPU: the moments' work fills the cores the forward leaves idle
             background = dev.type == "cpu"
         if not background:
@@ -831,8 +833,8 @@ class Moments:
         self._split[layer] = ratio > self.SPLIT_RATIO
         if self._split[layer]:
             self._c[layer] = mu.to(torch.bfloat16).float()  # a bf16 value: h − c is exact in float32
-            self.paths["moments"] = self.paths["moments"].split(" [")[0] + " [centred hi+lo rows where " \
-                f"|mu|^2/tr C > {self.SPLIT_RATIO:g}]"
+            split = [i for i, x in enumerate(self._split) if x]
+            self.paths["moments_rows"] = f"centred hi+lo in layers {split} (|mu|^2/tr C > {self.SPLIT_RATIO:g}), raw elsewhere"
 
     def _parts(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self._split[layer]:

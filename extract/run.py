@@ -419,6 +419,8 @@ def _finish(result: SourceResult, acc: TokenSums, stats: ReadStats) -> None:
 
 def code_paths(acc: TokenSums) -> dict[str, str]:
     """The code paths a source's sums took (a slower one also warned when it was taken)."""
+    if acc.moments is not None:
+        acc.moments.finish()  # its background thread decides each layer's rows at the layer's first batch
     return {**acc.paths, **(acc.moments.paths if acc.moments is not None else {})}
 
 

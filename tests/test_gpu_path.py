@@ -275,7 +275,8 @@ def test_bf16_moments_error_is_bounded_whatever_the_mean():
                 m.add(layer, h, ok)
     inline, thread, raw = ms["inline"], ms["thread"], ms["raw"]
     assert inline._split == [False, True, False] and raw._split == [False, False, False]
-    assert "centred hi+lo" in inline.paths["moments"] and 500 < inline._ratio[1] < 2000
+    assert inline.paths["moments_rows"] == "centred hi+lo in layers [1] (|mu|^2/tr C > 1), raw elsewhere"
+    assert raw.paths["moments_rows"] == "raw" and 500 < inline._ratio[1] < 2000
 
     def cov_error(m, layer):
         n = float(exact.n[layer])
@@ -316,3 +317,37 @@ def test_doctor_measures_checks_and_saves_a_report(model_factory, sources, tmp_p
     assert rep["versions"]["torch"] and "ratio" in err and "saved:" in err
     code, _, err = run_cli("doctor", "--model", model_factory("gpt_neox"), "--seconds", "0", "--out", out)
     assert code == 2 and err.strip() == "error: --seconds 0.0: expected a positive number"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU tests above cover the arithmetic)")
+def test_the_whole_batch_loop_has_no_host_sync_on_cuda(model_factory, sources, monkeypatch):
+    """On a GPU, after the first batch (which compiles the step and decides each layer's bf16 rows),
+    the whole batch loop — batches made on the background thread, pinned copies, the forward without
+    a mask, the hooks, the token sums, bf16 moments — runs under CUDA's sync debug mode "error"."""
+    from extract import run
+    from extract.models import load, resolve_model
+    from extract.sources import Source
+
+    loaded = load(resolve_model(str(model_factory("gpt_neox"))), "main", torch.bfloat16, "cuda")
+    run.to_compute(loaded, torch.bfloat16, "cuda")
+    real = run._forward
+    calls = []
+
+    def forward(*a):
+        calls.append(1)
+        if len(calls) == 2:  # from the second batch on
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        return real(*a)
+
+    monkeypatch.setattr(run, "_forward", forward)
+    s = run.Settings(device="cuda", dtype="bfloat16", moments_precision="bfloat16", batch_size=2, max_length=24,
+                     memory_budget=1 << 30)
+    try:
+        acc = run.accumulate_source(loaded, Source("alpha", sources["alpha"]), s, run.SourceResult("alpha"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    try:
+        assert len(calls) > 3 and acc.paths["layer_step"] == "compiled"
+    finally:
+        acc.close()
