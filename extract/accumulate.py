@@ -220,12 +220,15 @@ class TokenSums:
             self._batch = (sel, self._h2d(inv.reshape(-1)),
                            torch.from_numpy(uniq).to(self.master))
         self._ones = torch.ones(len(ids), dtype=torch.int64, device=self.device)
+        self._rows_counted = len(ids)
         return len(ids)
 
     def add(self, layer: int, hidden: torch.Tensor) -> None:
         """hidden: (B, T, d) in any float dtype."""
         sel, index, uniq = self._batch
         d = hidden.shape[-1]
+        if self._rows_counted == 0:  # a batch with no counted position (only special tokens): nothing to add
+            return
         if self._fused is not None and self.sample is None and uniq is None:
             try:
                 stats = _run_compiled(self._fused, self.sums[layer], self.counts[layer], index, hidden, sel,

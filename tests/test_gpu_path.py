@@ -64,6 +64,11 @@ def test_compiled_step_never_recompiles_for_b1_t1_or_t_equal_d():
         recompiles = sum(counters["recompiles"].values())
         _feed([eager, fused], [(1, 7), (3, 1), (1, 1), (2, d), (5, 3), (1, 2)], V, d, L, gen)
         _feed([eager, fused], [(64, 40)], V, d, L, gen)  # > 1,024 new token types: the table grows
+        ids, counted, hidden = _batch(2, 3, V, d, gen)
+        for acc in (eager, fused):  # a batch with no counted position (only special tokens): adds nothing
+            acc.set_batch(ids, counted & False)
+            for layer in range(L):
+                acc.add(layer, hidden)
     assert fused.capacity > 1024
     assert counters["stats"]["unique_graphs"] == graphs, "the compiled step recompiled"
     assert sum(counters["recompiles"].values()) == recompiles
