@@ -250,8 +250,8 @@ class TokenSums:
                     h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d)
                     ok = ok_bt.reshape(-1).index_select(0, sel)  # (M,) the step's own finite & non-zero test
                     h = h.masked_fill(~ok.unsqueeze(1), 0)
-                    if self.moments is not None:
-                        self.moments.add(layer, h, ok)
+                    if self.moments is not None:  # n and Σh from the step's per-window sums: not read again
+                        self.moments.add(layer, h, ok, s=windows[0].sum(0), n=windows[2].sum())
                     if self.extra is not None:
                         self.extra.add(layer, h, ok, windows[0], windows[2])
                 return
@@ -693,9 +693,14 @@ class Moments:
         self.finish()
         return self._n_pair
 
-    def add(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> None:
+    def add(self, layer: int, h: torch.Tensor, ok: torch.Tensor, s: torch.Tensor | None = None,
+            n: torch.Tensor | None = None) -> None:
         """h: (M, d) raw vectors of the batch's counted positions, rows that are not ok zeroed;
-        ok: (M,) bool.  The caller must not modify h or ok afterwards (a thread may read them later)."""
+        ok: (M,) bool.  The caller must not modify h or ok afterwards (a thread may read them later).
+        s: (d,) float64 Σh and n: () ok.sum() of these rows where the caller has them already (the
+        compiled token-sum step): the bf16 path then does not read the rows again for them (float64
+        sums of bf16 values: the same numbers wherever float64 holds them exactly, i.e. unless the
+        rows' exponents span more than ~40 bits)."""
         if self._bf16 and h.dtype != torch.bfloat16:
             raise UserError(f"--moments-precision bfloat16 needs bfloat16 hidden states; layer {layer}'s are "
                             f"{str(h.dtype).removeprefix('torch.')}: use --moments-precision float32")
@@ -707,14 +712,15 @@ class Moments:
                 slow_path(self.paths, "moments", "bfloat16 (float32 products: no mm out_dtype)",
                           f"--moments-precision bfloat16: this torch {torch.__version__} has no torch.mm(..., "
                           f"out_dtype=float32) on {h.device}; the products run in float32 (~10x slower)")
+        given = (s.to(dev), n.to(dev)) if s is not None and n is not None and self._bf16 else None
         if self._worker is None:
-            self._add(layer, h, ok)
+            self._add(layer, h, ok, given)
         else:  # h and ok are this batch's own tensors: nothing else writes them
-            self._worker.submit(self._add, layer, h, ok, nbytes=h.numel() * h.element_size())
+            self._worker.submit(self._add, layer, h, ok, given, nbytes=h.numel() * h.element_size())
 
-    def _add(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> None:
+    def _add(self, layer: int, h: torch.Tensor, ok: torch.Tensor, given=None) -> None:
         if self._bf16:
-            return self._add_bf16(layer, h, ok)
+            return self._add_bf16(layer, h, ok, given)
         n = ok.sum()
         self._n[layer] += n
         M, d = h.shape
@@ -763,7 +769,7 @@ class Moments:
             if px is not None:  # Σ (h_l − c_l)(h_{l+1} − c_{l+1})ᵀ
                 self._cross[layer - 1] += self._nt(px[i], xc) if T else (px[i].T @ xc).to(torch.float64)
 
-    def _add_bf16(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> None:
+    def _add_bf16(self, layer: int, h: torch.Tensor, ok: torch.Tensor, given=None) -> None:
         """precision "bfloat16": products of bf16 rows, every one exact in float32; float32
         accumulation over ≤ CHUNK_BF16 rows per product (tensor cores on a GPU), each product added
         into the float64 sums.  How the rows go in is decided per layer at its first batch, from
@@ -781,8 +787,7 @@ class Moments:
           undone in float64 when the sums are read (`s2`, `cross`).  Four times the multiply-adds,
           for that layer only; the error no longer grows with the mean."""
         M, d = h.shape
-        s = h.sum(0, dtype=torch.float64)  # (d,) Σh of the batch
-        n = ok.sum()
+        s, n = given if given is not None else (h.sum(0, dtype=torch.float64), ok.sum())  # (d,) Σh, () rows ok
         self._n[layer] += n
         self._s1[layer] += s
         self._rows[layer] += M

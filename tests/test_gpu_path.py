@@ -356,3 +356,31 @@ def test_the_whole_batch_loop_has_no_host_sync_on_cuda(model_factory, sources, m
         assert len(calls) > 3 and acc.paths["layer_step"] == "compiled"
     finally:
         acc.close()
+
+
+def test_moments_fed_the_compiled_steps_n_and_sum_equal_their_own():
+    """On the compiled path the bf16 moments take n and Σh from the token-sum step's per-window sums
+    instead of reading the rows again: the same sums, bit for bit, as the eager path's moments that
+    compute them (NaN/zero rows, padding, several batches, the centred layers' decision included)."""
+    L, V, d = 2, 3000, 4
+    gen = torch.Generator().manual_seed(7)
+    accs = [TokenSums(L, V, d, "cpu", fused=f) for f in (False, True)]
+    for acc in accs:
+        acc.moments = Moments(L, d, "cpu", precision="bfloat16", background=False)
+    fed = []
+    real = accs[1].moments.add
+    accs[1].moments.add = lambda *a, **k: (fed.append(k.get("s") is not None), real(*a, **k))
+    for B, T in ((1, d), (3, 5), (2, 7)):
+        ids, counted, hidden = _batch(B, T, V, d, gen)
+        hidden = hidden + 3  # a mean: layer 0 is centred and split, the other raw
+        hidden[0, 0, 1] = float("nan")
+        for acc in accs:
+            acc.set_batch(ids, counted)
+            for layer in range(L):
+                acc.add(layer, hidden * (layer + 1) if layer == 0 else hidden * 0.1 - 0.29)
+    eager, fused = accs
+    assert all(fed) and len(fed) == 6 and fused._fused is not None
+    me, mf = eager.moments, fused.moments
+    assert torch.equal(me.n, mf.n) and torch.equal(me.s1, mf.s1) and me._split == mf._split == [True, False]
+    for layer in range(L):
+        assert np.array_equal(me.s2(layer), mf.s2(layer))
