@@ -33,7 +33,7 @@ from .hooks import capture_layers, layer_kinds
 from .models import DTYPES, check_dtype, load, resolve_model, to_compute
 from .run import (Settings, SourceResult, _forward, base_forward, batch_limits, batches, check_moments_precision,
                   code_paths, memory_budget, new_accumulator, package_versions, windows)
-from .sources import ReadStats, indexed_documents, parse_source
+from .sources import BUILTIN, ReadStats, indexed_documents, parse_source
 
 
 def _sync(device: str) -> None:
@@ -49,7 +49,7 @@ def _peak_rss() -> int:
 
 def make_batches(loaded, settings: Settings, source: str, n: int) -> list[tuple]:
     """The first `n` batches `extract` would make from `source` (NAME=PATH or a built-in)."""
-    src = parse_source(source if "=" in source or source in ("stdlib-docs",) else f"doctor={source}")
+    src = parse_source(source if "=" in source or source in BUILTIN else f"doctor={source}")
     texts = indexed_documents(src, settings.shard, ReadStats())
     out = []
     for batch in batches(loaded, windows(loaded, texts, settings, SourceResult(src.name), None, True),
