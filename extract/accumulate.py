@@ -109,8 +109,10 @@ class TokenSums:
         # On a GPU, a few compiled kernels per layer (norm; scale + scatter-add; per-window
         # reductions) instead of ~15 eager ones, the float64 û never written to memory: `layer_step`.
         use = self.device.type == "cuda" and not self.fold_partials and not self.segment if fused is None else fused
-        self._fused = torch.compile(layer_step, dynamic=True) if use else None
+        self._fused = _compiled_layer_step() if use else None
         self._compiled_once = False
+        # the code paths this run takes (recorded with the run; a slower one also warns once, one line)
+        self.paths: dict[str, str] = {"layer_step": "compiled" if use else "eager", "scatter": scatter}
         self.moments: Moments | None = None  # optional consumers of the raw (unnormalised) vectors
         self.sample: Sample | None = None
         self.extra = None  # optional WindowMeasures (extract/sequences.py)
@@ -212,6 +214,14 @@ class TokenSums:
 
     # ------------------------------------------------------------ the hot path
 
+    def _h2d(self, a) -> torch.Tensor:
+        """A host array or tensor on the device; to a GPU through pinned memory, so the copy is
+        asynchronous (from pageable memory a `non_blocking` copy makes the host wait)."""
+        t = torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return (t if t.is_pinned() else t.pin_memory()).to(self.device, non_blocking=True)
+
     def set_batch(self, input_ids: torch.Tensor, counted: torch.Tensor, where: torch.Tensor | None = None) -> int:
         """input_ids, counted: (B, T) on the host; counted marks the positions that enter the
         statistics; where: (B, T, 2) each position's document and position in it (for `extra`).
@@ -220,7 +230,7 @@ class TokenSums:
         sel_np = np.flatnonzero(counted_np)  # (M,)
         ids = input_ids.reshape(-1).numpy()[sel_np].astype(np.int64)  # (M,)
         slots = self._assign(ids)
-        sel = torch.from_numpy(sel_np).to(self.device, non_blocking=True)
+        sel = self._h2d(sel_np)
         B, T = input_ids.shape
         win_np = sel_np // T  # (M,) each counted row's window
         if self.extra is not None:
@@ -228,36 +238,41 @@ class TokenSums:
                 [where.reshape(-1, 2).numpy()[sel_np], ids[:, None]], 1)  # (M, 3) document, position, token
             self.extra.set_batch(win_np, B, meta)
         # per batch, for every layer's window sums: row windows, column indices, vectors per window
-        self._windows = (torch.from_numpy(win_np).to(self.device, non_blocking=True), B,
+        self._windows = (self._h2d(win_np), B,
                          torch.arange(len(sel_np), device=self.device),
-                         torch.from_numpy(np.bincount(win_np, minlength=B)).to(self.device, non_blocking=True))
-        self._counted = counted.to(self.device, non_blocking=True) if self._fused is not None else None
+                         self._h2d(np.bincount(win_np, minlength=B)))
+        self._counted = self._h2d(counted) if self._fused is not None else None
         if self.segment:  # the batch's rows sorted by slot once; per layer, segment sums over the runs
             order = np.argsort(slots, kind="stable")  # (M,)
             uniq, lengths = np.unique(slots[order], return_counts=True)  # (U,), (U,)
-            to = lambda a: torch.from_numpy(a).to(self.device, non_blocking=True)  # noqa: E731
+            to = self._h2d
             self._segments = (to(order), to(lengths), to(uniq).to(self.master))
         if not self.fold_partials:
-            self._batch = (sel, torch.from_numpy(slots).to(self.device, non_blocking=True), None)
+            self._batch = (sel, self._h2d(slots), None)
         else:  # fold a per-batch partial over the batch's distinct tokens into the remote master
             uniq, inv = np.unique(slots, return_inverse=True)  # (U,), (M,)
-            self._batch = (sel, torch.from_numpy(inv.reshape(-1)).to(self.device, non_blocking=True),
+            self._batch = (sel, self._h2d(inv.reshape(-1)),
                            torch.from_numpy(uniq).to(self.master))
         self._ones = torch.ones(len(ids), dtype=torch.int64, device=self.device)
+        self._rows_counted = len(ids)
         return len(ids)
 
     def add(self, layer: int, hidden: torch.Tensor) -> None:
         """hidden: (B, T, d) in any float dtype."""
         sel, index, uniq = self._batch
         d = hidden.shape[-1]
+        if self._rows_counted == 0:  # a batch with no counted position (only special tokens): nothing to add
+            return
         if self._fused is not None and self.sample is None and uniq is None:
             try:
-                stats = self._fused(self.sums[layer], self.counts[layer], index, hidden, sel, self._counted)
-            except Exception as e:  # no Triton / compiler on this machine: the eager path, same sums
-                if self._compiled_once:
-                    raise
-                warnings.warn(f"torch.compile of the accumulation step failed ({type(e).__name__}); "
-                              f"using the eager path", RuntimeWarning, stacklevel=2)
+                stats = _run_compiled(self._fused, self.sums[layer], self.counts[layer], index, hidden, sel,
+                                      self._counted)
+            except Exception as e:  # no Triton / compiler here, or a recompile failed or hit the limit:
+                # the eager path from here on, same sums (a compile fails before the step writes anything)
+                why = "recompile" if self._compiled_once else "compile"
+                slow_path(self.paths, "layer_step", f"eager ({why} failed: {type(e).__name__})",
+                          f"torch.compile of the accumulation step: {why} failed ({type(e).__name__}: "
+                          f"{_first_line(e)}); using the eager path (slower, same sums)")
                 self._fused = None
             else:
                 self._compiled_once = True
@@ -269,8 +284,8 @@ class TokenSums:
                     h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d)
                     ok = ok_bt.reshape(-1).index_select(0, sel)  # (M,) the step's own finite & non-zero test
                     h = h.masked_fill(~ok.unsqueeze(1), 0)
-                    if self.moments is not None:
-                        self.moments.add(layer, h, ok)
+                    if self.moments is not None:  # n and Σh from the step's per-window sums: not read again
+                        self.moments.add(layer, h, ok, s=windows[0].sum(0), n=windows[2].sum())
                     if self.extra is not None:
                         self.extra.add(layer, h, ok, windows[0], windows[2])
                 return
@@ -454,6 +469,48 @@ def window_sums(h: torch.Tensor, norm: torch.Tensor, x: torch.Tensor, ok: torch.
     return mu[:n_win], mu[n_win:]
 
 
+def slow_path(paths: dict, key: str, value: str, message: str) -> None:
+    """Record that `key` takes the slower path `value` (kept with the run's stats) and say so once, in one
+    line (a RuntimeWarning: the CLI prints it, a test can catch it)."""
+    if paths.get(key) == value:
+        return
+    paths[key] = value
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+@functools.cache
+def _compiled_layer_step():
+    """`layer_step` under torch.compile, one compiled function per process.  Shapes: the sizes that
+    change between batches (B, T, the counted rows M, the table's slots U) are marked *unbacked* on
+    every call (`_run_compiled`): the graph is compiled once for any size — no 0/1 specialisation (a
+    source's last batch with B = 1, a one-token window T = 1) and no duck sizing (T equal to d in
+    the first batch would tie T to d) — and d, the same in every call, stays static.  With
+    `dynamic=True` each of those cost a recompile (20–60 s on a GPU) and, after 8, torch ran the
+    step eagerly without a word."""
+    return torch.compile(layer_step, dynamic=None)
+
+
+def _run_compiled(fn, sums, counts, index, hidden, sel, counted):
+    """Call the compiled `layer_step`, its changing sizes marked unbacked (see `_compiled_layer_step`),
+    and with torch's recompile limit made an error (caught by `add`: the eager path, with a warning)
+    instead of a silent fallback to eager inside torch."""
+    import torch._dynamo.decorators  # loaded by torch.compile already; named here for the linters
+
+    mark = torch._dynamo.decorators.mark_unbacked
+    for t in (sums, counts, index, sel):
+        mark(t, 0)
+    for t in (hidden, counted):
+        mark(t, 0)
+        mark(t, 1)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        return fn(sums, counts, index, hidden, sel, counted)
+
+
 def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hidden: torch.Tensor,
                sel: torch.Tensor, counted: torch.Tensor):
     """One layer of one batch, written for `torch.compile` (the GPU path): sums (U, d) float64 +=
@@ -522,26 +579,26 @@ def _avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
-def _mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _mm_bf16(a: torch.Tensor, b: torch.Tensor, out_dtype: bool = False) -> torch.Tensor:
     """a b in float32 for bfloat16 a (i, k), b (k, j): every product exact (8-bit significands),
-    accumulated in float32.  On a GPU one tensor-core GEMM with a float32 output (`out_dtype`, no
-    rounding of the result to bf16); elsewhere the operands upcast exactly to float32, the same
-    arithmetic in another summation order."""
-    if a.is_cuda and _mm_out_dtype():
+    accumulated in float32.  `out_dtype` (a GPU where `_mm_out_dtype` said yes): one tensor-core GEMM
+    with a float32 output (no rounding of the result to bf16); else the operands upcast exactly to
+    float32, the same arithmetic in another summation order (the CPU's path; on a GPU ~10× slower)."""
+    if out_dtype:
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 
 @functools.cache
-def _mm_out_dtype() -> bool:
-    """Whether this torch has `torch.mm(..., out_dtype=)` for CUDA (bf16 in, float32 out); asked
-    once, on first use (not at import: that would start CUDA for every command)."""
+def _mm_out_dtype(device: torch.device) -> bool:
+    """Whether this torch has `torch.mm(..., out_dtype=)` (bf16 in, float32 out) on `device` — the
+    device of the rows (under torchrun each rank its own GPU; never a default "cuda", which would open
+    a context on GPU 0 in every rank); asked once per device, on first use (not at import)."""
     try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
         return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
     except (TypeError, RuntimeError, NotImplementedError):
         return False
-
 
 
 class Moments:
@@ -603,6 +660,18 @@ class Moments:
         self._chunked = self._shifted and dev.type == "cpu"
         self._bufs = [torch.empty(0, dtype=self._dtype, device=dev) for _ in range(2)]  # layers alternate
         self._pair = torch.empty(0, dtype=torch.bfloat16, device=dev)  # bfloat16: (M, 2d), layers alternate halves
+        self._split: list[bool | None] = [None] * n_layers  # bf16: centred hi+lo rows (decided at the first batch)
+        self._ratio: list[float | None] = [None] * n_layers  # bf16: the first batch's ‖μ‖²/tr C per layer
+        self._pair_rows_of: list = [None, None]  # bf16: which (layer, rows) each half of the pair buffer holds
+        self._pair_ok = False
+        self._tensor_cores = dev.type == "cuda"  # bf16 products with a float32 output, where torch has them
+        self._out_dtype: bool | None = None  # decided at the first bf16 rows (`add`)
+        self.paths: dict[str, str] = {"moments": {
+            "float64": "float64", "bfloat16": "bfloat16 (tensor cores, float32 out)" if self._tensor_cores else
+            "bfloat16 (float32 products of the upcast rows)",
+            "float32": "float32 (centred" + (", oneDNN)" if self._nt is not None else ")")}[precision]}
+        if self._bf16:
+            self.paths["moments_rows"] = "raw"
         if background is None:  # on a CPU: the moments' work fills the cores the forward leaves idle
             background = dev.type == "cpu"
         if not background:
@@ -634,22 +703,34 @@ class Moments:
         self.finish()
         return self._n_pair
 
-    def add(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> None:
+    def add(self, layer: int, h: torch.Tensor, ok: torch.Tensor, s: torch.Tensor | None = None,
+            n: torch.Tensor | None = None) -> None:
         """h: (M, d) raw vectors of the batch's counted positions, rows that are not ok zeroed;
-        ok: (M,) bool.  The caller must not modify h or ok afterwards (a thread may read them later)."""
+        ok: (M,) bool.  The caller must not modify h or ok afterwards (a thread may read them later).
+        s: (d,) float64 Σh and n: () ok.sum() of these rows where the caller has them already (the
+        compiled token-sum step): the bf16 path then does not read the rows again for them (float64
+        sums of bf16 values: the same numbers wherever float64 holds them exactly, i.e. unless the
+        rows' exponents span more than ~40 bits)."""
         if self._bf16 and h.dtype != torch.bfloat16:
             raise UserError(f"--moments-precision bfloat16 needs bfloat16 hidden states; layer {layer}'s are "
                             f"{str(h.dtype).removeprefix('torch.')}: use --moments-precision float32")
         dev = self._s1.device
         h, ok = h.to(dev), ok.to(dev)
+        if self._bf16 and self._out_dtype is None:  # decided once, on the caller's thread (warnings)
+            self._out_dtype = self._tensor_cores and _mm_out_dtype(h.device)
+            if self._tensor_cores and not self._out_dtype:
+                slow_path(self.paths, "moments", "bfloat16 (float32 products: no mm out_dtype)",
+                          f"--moments-precision bfloat16: this torch {torch.__version__} has no torch.mm(..., "
+                          f"out_dtype=float32) on {h.device}; the products run in float32 (~10x slower)")
+        given = (s.to(dev), n.to(dev)) if s is not None and n is not None and self._bf16 else None
         if self._worker is None:
-            self._add(layer, h, ok)
+            self._add(layer, h, ok, given)
         else:  # h and ok are this batch's own tensors: nothing else writes them
-            self._worker.submit(self._add, layer, h, ok, nbytes=h.numel() * h.element_size())
+            self._worker.submit(self._add, layer, h, ok, given, nbytes=h.numel() * h.element_size())
 
-    def _add(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> None:
+    def _add(self, layer: int, h: torch.Tensor, ok: torch.Tensor, given=None) -> None:
         if self._bf16:
-            return self._add_bf16(layer, h, ok)
+            return self._add_bf16(layer, h, ok, given)
         n = ok.sum()
         self._n[layer] += n
         M, d = h.shape
@@ -698,45 +779,111 @@ class Moments:
             if px is not None:  # Σ (h_l − c_l)(h_{l+1} − c_{l+1})ᵀ
                 self._cross[layer - 1] += self._nt(px[i], xc) if T else (px[i].T @ xc).to(torch.float64)
 
-    def _add_bf16(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> None:
-        """precision "bfloat16": the raw rows as they are (bf16 hidden states: no centre, whose
-        subtraction would round), so every product is exact in float32; float32 accumulation over
-        ≤ CHUNK_BF16 rows per product (tensor cores on a GPU), each product added into the float64
-        sums.  With cross moments, a layer's rows go to one half of an (M, 2d) buffer, the halves
-        alternating by layer, so that its Gram matrix and the cross moment with the previous layer
-        (the other half, the same rows) are one product: [h_prev | h]ᵀ h, (2d, d) — full, not the
-        upper triangle (one larger product instead of two smaller ones); without, hᵀh of the rows
-        as they are."""
+    def _add_bf16(self, layer: int, h: torch.Tensor, ok: torch.Tensor, given=None) -> None:
+        """precision "bfloat16": products of bf16 rows, every one exact in float32; float32
+        accumulation over ≤ CHUNK_BF16 rows per product (tensor cores on a GPU), each product added
+        into the float64 sums.  How the rows go in is decided per layer at its first batch, from
+        that batch's ‖μ‖²/tr C (one host read per layer, once):
+
+        * ≤ SPLIT_RATIO: the raw rows as they are.  With cross moments, a layer's rows go to one half
+          of an (M, 2d) buffer, the halves alternating by layer, so that its Gram matrix and the
+          cross moment with the previous layer (the other half, the same rows) are one product:
+          [h_prev | h]ᵀ h, (2d, d) — full, not the upper triangle; without, hᵀh of the rows.
+        * above (a large mean: float32 sums of raw products lose the covariance, the error growing
+          like ‖μ‖²/tr C): the rows centred on a bf16 centre c (the first batch's mean, rounded),
+          x = h − c in float32 (exact: both have 8-bit significands), split into bf16 parts
+          x = hi + lo (+ 2⁻¹⁸|x| at most), and Σ x xᵀ = Σ hiᵀhi + hiᵀlo + loᵀhi + loᵀlo as one
+          product of 4× the rows; rows that are not ok are zeroed after centring, and the shift is
+          undone in float64 when the sums are read (`s2`, `cross`).  Four times the multiply-adds,
+          for that layer only; the error no longer grows with the mean."""
         M, d = h.shape
-        self._n[layer] += ok.sum()
-        self._s1[layer] += h.sum(0, dtype=torch.float64)
+        s, n = given if given is not None else (h.sum(0, dtype=torch.float64), ok.sum())  # (d,) Σh, () rows ok
+        self._n[layer] += n
+        self._s1[layer] += s
         self._rows[layer] += M
-        if self._cross is None:  # no pairing: the rows as they are, no copy into the pair buffer
-            for a in range(0, M, self.CHUNK_BF16):
-                x = h[a: a + self.CHUNK_BF16]  # (k, d)
-                self._s2[layer] += _mm_bf16(x.T, x)
-            return
-        if self._pair.shape[0] < M or self._pair.shape[1] != 2 * d:
-            self._pair = torch.empty(M, 2 * d, dtype=torch.bfloat16, device=h.device)
-            self._prev = None  # the previous layer's rows were not kept
-        half = layer % 2
-        cur = slice(half * d, (half + 1) * d)
-        buf = self._pair[:M]
-        buf[:, cur] = h  # exact copy
-        paired = self._prev is not None and self._prev[0] == layer - 1 and self._prev[1] == M
+        if self._split[layer] is None:
+            self._decide(layer, h, s, n)
+        parts = self._parts(layer, h, ok)  # bf16 (M, d) each: (h,) or (hi, lo)
+        prev = self._prev if self._cross is not None else None
+        paired = prev is not None and prev[0] == layer - 1 and prev[1] == M
         if paired:
-            pok = self._prev[2]
-            self._n_pair[layer - 1] += (pok & ok).sum()
-        self._prev = (layer, M, ok)
+            self._n_pair[layer - 1] += (prev[2] & ok).sum()
+        raw = not self._split[layer] and (not paired or not self._split[layer - 1])
+        if self._cross is None or not raw:
+            if self._cross is not None:  # the previous layer's parts are kept for the cross moment
+                if paired and raw is False:
+                    both = (prev[2] & ok).unsqueeze(1)  # (M, 1) rows counted in both layers
+                    self._pair_s[layer - 1, 0] += torch.where(both, prev[4], 0).sum(0, dtype=torch.float64)
+                    self._pair_s[layer - 1, 1] += torch.where(both, h, 0).sum(0, dtype=torch.float64)
+                self._prev = (layer, M, ok, parts, h)
+            for a in range(0, M, self.CHUNK_BF16):
+                P = [x[a: a + self.CHUNK_BF16] for x in parts]  # (k, d) each
+                self._s2[layer] += self._gram(P, P)
+                if paired:
+                    self._cross[layer - 1] += self._gram([x[a: a + self.CHUNK_BF16] for x in prev[3]], P)
+            if self._cross is not None:  # a later raw layer pairs with this one through the buffer
+                self._pair_fill(layer, h)
+            return
+        # raw rows (this layer and the previous one): the pair buffer, one product per chunk
+        buf, cur, half = self._pair_fill(layer, h)
+        paired = paired and self._pair_ok
+        self._prev = (layer, M, ok, parts, h)
         for a in range(0, M, self.CHUNK_BF16):
             rows = buf[a: a + self.CHUNK_BF16]  # (k, 2d)
             if paired:  # rows of [Σ h_prev hᵀ ; Σ h hᵀ] or the reverse, by which half is which
-                P = _mm_bf16(rows.T, rows[:, cur])  # (2d, d) float32
+                P = _mm_bf16(rows.T, rows[:, cur], self._out_dtype)  # (2d, d) float32
                 self._s2[layer] += P[cur]
                 self._cross[layer - 1] += P[(1 - half) * d: (2 - half) * d]
             else:
                 x = rows[:, cur]
-                self._s2[layer] += _mm_bf16(x.T, x)  # (d, d)
+                self._s2[layer] += _mm_bf16(x.T, x, self._out_dtype)  # (d, d)
+
+    SPLIT_RATIO = 1.0  # ‖μ‖²/tr C above which a layer's bf16 rows are centred and split (see _add_bf16)
+
+    def _decide(self, layer: int, h: torch.Tensor, s: torch.Tensor, n: torch.Tensor) -> None:
+        """A layer's first batch: raw or centred-and-split rows, from its ‖μ‖²/tr C (one host read)."""
+        k = n.clamp(min=1).double()
+        mu = s / k  # (d,)
+        q = h.double().square().sum() / k  # mean ‖h‖² over the counted rows (zeroed rows add nothing)
+        mu2 = mu.square().sum()
+        ratio = float(mu2 / (q - mu2).clamp_min(1e-300))
+        self._ratio[layer] = ratio
+        self._split[layer] = ratio > self.SPLIT_RATIO
+        if self._split[layer]:
+            self._c[layer] = mu.to(torch.bfloat16).float()  # a bf16 value: h − c is exact in float32
+            split = [i for i, x in enumerate(self._split) if x]
+            self.paths["moments_rows"] = f"centred hi+lo in layers {split} (|mu|^2/tr C > {self.SPLIT_RATIO:g}), raw elsewhere"
+
+    def _parts(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self._split[layer]:
+            return (h,)
+        x = torch.where(ok.unsqueeze(1), h.float() - self._c[layer], 0.0)  # (M, d) float32, exact
+        hi = x.to(torch.bfloat16)
+        lo = (x - hi.float()).to(torch.bfloat16)  # x − hi exact in float32; |lo| ≤ 2⁻⁹|x|
+        return hi, lo
+
+    def _gram(self, A: list[torch.Tensor], B: list[torch.Tensor]) -> torch.Tensor:
+        """Σ_{p, q} A_pᵀ B_q, (d, d) float32, as one product over the parts stacked along the rows."""
+        if len(A) == 1 and len(B) == 1:
+            return _mm_bf16(A[0].T, B[0], self._out_dtype)
+        left = torch.cat([a for a in A for _ in B])  # (|A||B| k, d)
+        right = torch.cat([b for _ in A for b in B])
+        return _mm_bf16(left.T, right, self._out_dtype)
+
+    def _pair_fill(self, layer: int, h: torch.Tensor):
+        """The layer's raw rows into its half of the pair buffer; returns (buffer rows, its half's
+        columns, the half).  `_pair_ok`: whether the other half holds the previous layer's rows."""
+        M, d = h.shape
+        if self._pair.shape[0] < M or self._pair.shape[1] != 2 * d:
+            self._pair = torch.empty(M, 2 * d, dtype=torch.bfloat16, device=h.device)
+            self._pair_rows_of = [None, None]  # the previous layer's rows were not kept
+        half = layer % 2
+        cur = slice(half * d, (half + 1) * d)
+        buf = self._pair[:M]
+        buf[:, cur] = h  # exact copy
+        self._pair_ok = self._pair_rows_of[1 - half] == (layer - 1, M)
+        self._pair_rows_of[half] = (layer, M)
+        return buf, cur, half
 
     def finish(self) -> None:
         """Wait for the queued work (re-raising its error); the sums are complete after."""
@@ -756,6 +903,9 @@ class Moments:
         if self._shifted:
             c, s = self._c[layer].double(), self._s1[layer]
             S = S + torch.outer(c, s) + torch.outer(s, c) - self._rows[layer] * torch.outer(c, c)
+        elif self._bf16 and self._split[layer]:  # centred rows, zeroed where not ok: n rows of −c fewer
+            c, s = self._c[layer].double(), self._s1[layer]
+            S = S + torch.outer(c, s) + torch.outer(s, c) - self._n[layer].double() * torch.outer(c, c)
         return S.cpu().numpy()
 
     def cross(self, layer: int) -> np.ndarray:
@@ -766,6 +916,10 @@ class Moments:
             a, b = self._c[layer].double(), self._c[layer + 1].double()
             sa, sb = self._pair_s[layer, 0], self._pair_s[layer, 1]
             C = C + torch.outer(sa, b) + torch.outer(a, sb) - self._pair_rows[layer] * torch.outer(a, b)
+        elif self._bf16 and (self._split[layer] or self._split[layer + 1]):  # over the rows counted in both
+            a, b = self._c[layer].double(), self._c[layer + 1].double()  # 0 for a raw layer
+            sa, sb = self._pair_s[layer, 0], self._pair_s[layer, 1]
+            C = C + torch.outer(sa, b) + torch.outer(a, sb) - self._n_pair[layer].double() * torch.outer(a, b)
         return C.cpu().numpy()
 
 

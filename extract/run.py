@@ -37,6 +37,7 @@ from .hooks import capture_layers, layer_kinds
 from .models import DTYPES, Loaded, ModelRef, check_dtype, forward_kwargs, load, to_compute
 from .memory import available_memory, limit_malloc_arenas, release_memory
 from .params import norm_table, partition_table, vocab_table
+from .staging import Prefetch
 from .sources import (ReadStats, SentenceSplitter, Source, fingerprint, indexed_documents, position_keys, source_salt,
                       split_documents, split_source)
 
@@ -84,6 +85,9 @@ def recorded_setting(settings: dict, key: str):
     return settings.get(key)
 
 
+PREFETCH_BATCHES = 4  # batches made ahead on a background thread (extract/staging.py); 0: in the loop
+MASK_ONLY_WITH_PADDING = True  # a batch without padding goes in with attention_mask=None (same sums)
+
 DEFAULT_MAX_LENGTH = 4096  # windows of at most this many tokens unless --max-length says otherwise
 DEFAULT_BATCH_WINDOWS = 8  # the default token budget of a batch: this many full windows,
 DEFAULT_BATCH_TOKENS = 4096  # and at least this many tokens (short --max-length)
@@ -120,6 +124,7 @@ class SourceResult:
     accumulator_peak_bytes: int = 0
     vector_dtype: str | None = None  # the token vectors as stored: --vector-dtype, float32 where float16 overflows
     files: dict = field(default_factory=dict)
+    paths: dict = field(default_factory=dict)  # code paths taken: layer_step compiled|eager, moments, scatter
 
 
 # ---------------------------------------------------------------- provenance
@@ -383,9 +388,11 @@ def base_forward(loaded: Loaded, settings: Settings):
     kwargs = forward_kwargs(loaded.layout.head)
     device = settings.device
 
-    def run(input_ids: torch.Tensor, mask: torch.Tensor) -> None:  # (B, T) each, on the host
-        base(input_ids=input_ids.to(device, non_blocking=True), attention_mask=mask.to(device, non_blocking=True),
-             **kwargs)
+    def run(input_ids: torch.Tensor, mask: torch.Tensor | None) -> None:  # (B, T) each, on the host
+        if mask is not None and MASK_ONLY_WITH_PADDING and bool(mask.all()):  # a host tensor: no device sync
+            mask = None  # no padding: no mask, so transformers' mask code has nothing to test on the device
+        base(input_ids=input_ids.to(device, non_blocking=True),
+             attention_mask=None if mask is None else mask.to(device, non_blocking=True), **kwargs)
 
     return run
 
@@ -413,6 +420,14 @@ def _finish(result: SourceResult, acc: TokenSums, stats: ReadStats) -> None:
     result.spills = acc.spill_count
     result.spill_bytes = acc.spill_bytes
     result.accumulator_peak_bytes = acc.peak_bytes
+    result.paths = code_paths(acc)
+
+
+def code_paths(acc: TokenSums) -> dict[str, str]:
+    """The code paths a source's sums took (a slower one also warned when it was taken)."""
+    if acc.moments is not None:
+        acc.moments.finish()  # its background thread decides each layer's rows at the layer's first batch
+    return {**acc.paths, **(acc.moments.paths if acc.moments is not None else {})}
 
 
 def _bar(loaded: Loaded, name: str, settings: Settings):
@@ -432,12 +447,12 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
         bar = _bar(loaded, source.name, settings)
         forward = base_forward(loaded, settings)
         start = time.perf_counter()
-        with torch.inference_mode(), capture_layers(loaded.model, loaded.layout, acc.add):
-            specials = not source.pretokenized  # training rows are fed as the model saw them
-            for batch in batches(
-                loaded, windows(loaded, texts, settings, result, splitter, specials), *batch_limits(loaded, settings),
-                settings.special_tokens, specials
-            ):
+        specials = not source.pretokenized  # training rows are fed as the model saw them
+        made = Prefetch(lambda: batches(  # tokenised and packed on a background thread, ≤ PREFETCH_BATCHES ahead
+            loaded, windows(loaded, texts, settings, result, splitter, specials), *batch_limits(loaded, settings),
+            settings.special_tokens, specials), settings.device, PREFETCH_BATCHES)
+        with made, torch.inference_mode(), capture_layers(loaded.model, loaded.layout, acc.add):
+            for batch in made:
                 bar.update(_forward(forward, acc, batch, salt, result))
         bar.close()
         result.seconds = time.perf_counter() - start

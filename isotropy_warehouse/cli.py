@@ -417,6 +417,35 @@ def report(
     typer.echo(f"{len(result.drawn)} of {len(result.figures)} figures drawn: {out / 'index.html'}", err=True)
 
 
+@app.command()
+def doctor(
+    model: str = typer.Option("minilm", "--model", "-m", help="The model to measure, as for extract (default: minilm, shipped as a package)."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: bfloat16 on cuda, float32 on cpu)."),
+    seconds: float = typer.Option(30.0, help="How long to alternate the bare forward and the default pass (after one warm-up pass of each)."),
+    source: str = typer.Option("stdlib-docs", "--source", "-s", help="The text to batch: NAME=PATH, a path, or a built-in (stdlib-docs)."),
+    batches: int = typer.Option(8, "--batches", help="Batches made from the source and reused by every pass."),
+    max_length: Optional[int] = typer.Option(None, help="Tokens per window (default: the model's context, as extract)."),
+    batch_tokens: Optional[int] = typer.Option(None, help="Padded tokens per batch at most (default: as extract)."),
+    out: Path = typer.Option(Path("isotropy-doctor.json"), "--out", "-o", help="Where to save the report (JSON) to attach to a bug report."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub (off by default)."),
+):
+    """Measure the default extraction pass against a bare forward on this machine and model: the
+    ratio, tokens per second, peak memory, the code paths taken (compiled or eager step, moments'
+    precision, scatter), a check against float64, versions; saved as JSON.
+
+    Example: python cli.py doctor --model pythia-1.4b --seconds 30 --out doctor.json
+    """
+    from extract.doctor import doctor as run_doctor, summary, write_report
+
+    try:
+        rep = run_doctor(model, device, dtype, seconds, source, batches, max_length, batch_tokens, trust_remote_code)
+    except UserError as e:
+        fail(str(e))
+    typer.echo(summary(rep), err=True)
+    typer.echo(f"saved: {write_report(rep, out)}", err=True)
+
+
 def main() -> None:
     """Run the app; an I/O failure that no command turned into a message (a disk or a store failing
     mid-run) still ends in one line and exit code 2."""

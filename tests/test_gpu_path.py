@@ -1,0 +1,397 @@
+"""The GPU pass, checked where torch allows it on a CPU: the compiled accumulation step never
+recompiles for B = 1, T = 1 or T = d, a failed compile or recompile falls back to the eager path
+with one warning and a recorded path, the bf16 moments' product probe and its fallback, the bf16
+moments' precision bound against float64, the batch loop's staging (background thread, no mask
+without padding) and `doctor`."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from extract import accumulate
+from extract.accumulate import Moments, TokenSums
+
+
+def _batch(B: int, T: int, V: int, d: int, gen: torch.Generator):
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    counted = torch.ones(B, T, dtype=torch.bool)
+    if T > 2:
+        counted[-1, -1] = False  # padding
+    hidden = torch.randn(B, T, d, generator=gen).bfloat16()
+    if B * T > 3:
+        hidden[0, 0, 1] = float("nan")
+        hidden[-1, 0] = 0.0
+    return ids, counted, hidden
+
+
+def _feed(accs, shapes, V, d, L, gen):
+    for B, T in shapes:
+        ids, counted, hidden = _batch(B, T, V, d, gen)
+        for acc in accs:
+            acc.set_batch(ids, counted)
+            for layer in range(L):
+                acc.add(layer, hidden * (layer + 1))
+
+
+def _assert_same(eager: TokenSums, other: TokenSums, L: int) -> None:
+    for layer in range(L):
+        (ce, se), (cf, sf) = eager.dense(layer), other.dense(layer)
+        assert torch.equal(ce, cf) and torch.allclose(se, sf, rtol=1e-13, atol=1e-13)
+    for name in ("nonfinite", "zero", "windows"):
+        assert torch.equal(getattr(eager, name), getattr(other, name)), name
+    for name in ("sum_h", "sum_u2", "window_cos"):
+        assert torch.allclose(getattr(eager, name), getattr(other, name), rtol=1e-12, atol=1e-12), name
+
+
+def test_compiled_step_never_recompiles_for_b1_t1_or_t_equal_d():
+    """`layer_step` compiled with inductor on the CPU (on a GPU the same graph becomes Triton): the
+    first batch has T == d (duck sizing would tie them) and B = 1 (0/1 specialisation); after it,
+    batches with B = 1, T = 1, T = d, a one-row batch and a table that grew compile nothing more —
+    dynamo's graph and recompile counters stay put — and every sum equals the eager path's."""
+    L, V, d = 2, 3000, 4
+    gen = torch.Generator().manual_seed(0)
+    eager, fused = TokenSums(L, V, d, "cpu", fused=False), TokenSums(L, V, d, "cpu", fused=True)
+    assert fused.paths["layer_step"] == "compiled" and eager.paths["layer_step"] == "eager"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback warning may fire
+        _feed([eager, fused], [(1, d)], V, d, L, gen)  # warm-up: the one compile
+        graphs = counters["stats"]["unique_graphs"]
+        recompiles = sum(counters["recompiles"].values())
+        _feed([eager, fused], [(1, 7), (3, 1), (1, 1), (2, d), (5, 3), (1, 2)], V, d, L, gen)
+        _feed([eager, fused], [(64, 40)], V, d, L, gen)  # > 1,024 new token types: the table grows
+        ids, counted, hidden = _batch(2, 3, V, d, gen)
+        for acc in (eager, fused):  # a batch with no counted position (only special tokens): adds nothing
+            acc.set_batch(ids, counted & False)
+            for layer in range(L):
+                acc.add(layer, hidden)
+    assert fused.capacity > 1024
+    assert counters["stats"]["unique_graphs"] == graphs, "the compiled step recompiled"
+    assert sum(counters["recompiles"].values()) == recompiles
+    assert fused._fused is not None and fused.paths["layer_step"] == "compiled"
+    _assert_same(eager, fused, L)
+
+
+def test_a_failed_recompile_falls_back_to_eager_with_one_warning():
+    """A compile that fails after a first success (or torch's recompile limit, an error here) is not
+    fatal: the step runs eagerly from then on, with one one-line RuntimeWarning and the path recorded;
+    the sums equal the eager path's."""
+    L, V, d = 2, 40, 4
+    gen = torch.Generator().manual_seed(1)
+    eager, fused = TokenSums(L, V, d, "cpu", fused=False), TokenSums(L, V, d, "cpu", fused=True)
+    fused._fused = lambda *a: accumulate.layer_step(*a)  # a "compiled" step that works (the compiler is slow)
+    _feed([eager, fused], [(2, 3)], V, d, L, gen)
+    assert fused._compiled_once
+
+    def broken(*a):
+        raise RuntimeError("inductor exploded\nsecond line")
+
+    fused._fused = broken
+    with pytest.warns(RuntimeWarning) as caught:
+        _feed([eager, fused], [(1, 5), (3, 2)], V, d, L, gen)
+    msgs = [str(w.message) for w in caught if "accumulation step" in str(w.message)]
+    assert len(msgs) == 1 and "\n" not in msgs[0] and "recompile failed (RuntimeError: inductor exploded)" in msgs[0]
+    assert fused._fused is None and fused.paths["layer_step"] == "eager (recompile failed: RuntimeError)"
+    _assert_same(eager, fused, L)
+
+
+def test_recompile_limit_is_an_error_not_a_silent_eager_fallback(monkeypatch):
+    """torch's recompile limit, hit inside `_run_compiled`, raises (instead of torch running the step
+    eagerly without a word): `add` falls back to its own eager path with one warning, the path
+    recorded, the sums right.  (dynamo's "eager" backend and a limit of 1: fast; a dtype change forces
+    the recompile.)"""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    L, V, d = 1, 40, 4
+    gen = torch.Generator().manual_seed(3)
+    eager, fused = TokenSums(L, V, d, "cpu", fused=False), TokenSums(L, V, d, "cpu", fused=True)
+    torch._dynamo.reset()
+    fused._fused = torch.compile(accumulate.layer_step, backend="eager")
+    _feed([eager, fused], [(2, 3)], V, d, L, gen)  # bf16: compiled
+    assert fused._compiled_once and fused._fused is not None
+    ids, counted, hidden = _batch(3, 2, V, d, gen)
+    with pytest.warns(RuntimeWarning, match="recompile failed \\(FailOnRecompileLimitHit"):
+        for acc in (eager, fused):
+            acc.set_batch(ids, counted)
+            acc.add(0, hidden.float())  # float32: another graph, over the limit
+    assert fused._fused is None and fused.paths["layer_step"] == "eager (recompile failed: FailOnRecompileLimitHit)"
+    assert not torch._dynamo.config.fail_on_recompile_limit_hit  # set only around the call
+    _assert_same(eager, fused, L)
+    torch._dynamo.reset()
+
+
+def test_bf16_product_probe_runs_on_the_rows_device_and_its_fallback_warns(monkeypatch):
+    """The `out_dtype` probe is asked about the rows' own device (never a default "cuda"), once; where
+    it says no on a GPU, the products run in float32 with one one-line warning and the path recorded
+    — and the sums stay right (against float64 products)."""
+    asked = []
+
+    def probe(device):
+        asked.append(device)
+        return False
+
+    monkeypatch.setattr(accumulate, "_mm_out_dtype", probe)
+    gen = torch.Generator().manual_seed(2)
+    d = 6
+    fast = Moments(2, d, "cpu", precision="bfloat16", background=False)
+    assert fast.paths["moments"] == "bfloat16 (float32 products of the upcast rows)"
+    fast._tensor_cores = True  # what a GPU's Moments sets: the probe is asked
+    exact = Moments(2, d, "cpu", precision="float64", background=False)
+    with pytest.warns(RuntimeWarning) as caught:
+        for _ in range(3):
+            ok = torch.ones(20, dtype=torch.bool)
+            for layer in range(2):
+                h = (torch.randn(20, d, generator=gen) + 3).bfloat16()
+                for m in (fast, exact):
+                    m.add(layer, h, ok)
+    msgs = [str(w.message) for w in caught if "out_dtype" in str(w.message)]
+    assert len(msgs) == 1 and "\n" not in msgs[0] and "float32 (~10x slower)" in msgs[0]
+    assert asked == [torch.device("cpu")]  # the rows' device, once
+    assert fast.paths["moments"] == "bfloat16 (float32 products: no mm out_dtype)" and fast._out_dtype is False
+    for layer in range(2):
+        ref = exact.s2(layer)
+        assert np.abs(fast.s2(layer) - ref).max() <= 1e-6 * np.abs(ref).max()
+
+
+def test_the_probe_itself_fails_closed(monkeypatch):
+    """`_mm_out_dtype` on a device whose torch.mm rejects `out_dtype` answers False (not an error)."""
+    accumulate._mm_out_dtype.cache_clear()
+
+    def mm(*a, **k):
+        raise TypeError("mm() got an unexpected keyword argument 'out_dtype'")
+
+    monkeypatch.setattr(torch, "mm", mm)
+    try:
+        assert accumulate._mm_out_dtype(torch.device("cpu")) is False
+    finally:
+        accumulate._mm_out_dtype.cache_clear()
+
+
+def _sums(model_dir, source_path, monkeypatch, prefetch: int, mask_only_with_padding: bool, **settings):
+    from extract import run
+    from extract.models import load, resolve_model
+    from extract.sources import Source
+
+    monkeypatch.setattr(run, "PREFETCH_BATCHES", prefetch)
+    monkeypatch.setattr(run, "MASK_ONLY_WITH_PADDING", mask_only_with_padding)
+    seen = []
+    real = run.base_forward
+
+    def spy(loaded, s):  # which batches went in without a mask
+        fwd = real(loaded, s)
+
+        def go(ids, mask):
+            seen.append(bool(mask.all()))
+            return fwd(ids, mask)
+        return go
+
+    monkeypatch.setattr(run, "base_forward", spy)
+    loaded = load(resolve_model(str(model_dir)), "main", torch.float32, "cpu")
+    s = run.Settings(**settings)
+    result = run.SourceResult("alpha")
+    acc = run.accumulate_source(loaded, Source("alpha", source_path), s, result)
+    try:
+        out = [acc.dense(layer) for layer in range(acc.L)]
+        return out, acc.moments.s1.clone(), acc.moments.s2(1), acc.sum_h.clone(), acc.window_cos.clone(), result, seen
+    finally:
+        acc.close()
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "bert"])
+def test_background_batches_and_no_mask_without_padding_give_identical_sums(family, model_factory, sources,
+                                                                             monkeypatch):
+    """The batch loop with batches made on a background thread and attention_mask=None for batches
+    without padding: the token sums, moments and window sums equal the old loop's (batches made in
+    the loop, a mask always) bit for bit — batches of one window (no padding) and of several."""
+    model = model_factory(family)
+    for size in (1, 4):
+        old = _sums(model, sources["alpha"], monkeypatch, 0, False, batch_size=size, max_length=24)
+        new = _sums(model, sources["alpha"], monkeypatch, 4, True, batch_size=size, max_length=24)
+        for (ce, se), (cn, sn) in zip(old[0], new[0]):
+            assert torch.equal(ce, cn) and torch.equal(se, sn)
+        assert torch.equal(old[1], new[1]) and np.array_equal(old[2], new[2])
+        assert torch.equal(old[3], new[3]) and torch.equal(old[4], new[4])
+        assert old[5].tokens == new[5].tokens > 0 and old[5].documents == new[5].documents
+        assert any(old[6]) and (size == 1) == all(old[6])  # some batches had no padding (all, one window each)
+        assert new[5].paths == {"layer_step": "eager", "scatter": "atomic", "moments": old[5].paths["moments"]}
+
+
+def test_prefetch_hands_on_errors_and_stops_its_thread_when_the_reader_leaves():
+    """An error while making batches reaches the reader; a reader that stops early (Ctrl-C, a fault)
+    leaves no thread behind, even with the producer blocked on a full queue."""
+    import threading
+
+    from extract.staging import Prefetch
+
+    def bad():
+        yield (torch.zeros(1),)
+        raise ValueError("bad source line")
+
+    with pytest.raises(ValueError, match="bad source line"):
+        with Prefetch(bad, "cpu", 2) as p:
+            list(p)
+    closed = threading.Event()
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                i += 1
+                yield (torch.full((1,), i),)
+        finally:
+            closed.set()
+
+    before = threading.active_count()
+    with pytest.raises(KeyboardInterrupt):
+        with Prefetch(endless, "cpu", 2) as p:
+            for n, (t,) in enumerate(p):
+                assert int(t) == n + 1  # in order
+                if n == 5:
+                    raise KeyboardInterrupt
+    assert closed.wait(5) and threading.active_count() == before
+
+
+def synthetic(ratio: float, d: int, rows: int, L: int, batch: int, seed: int):
+    """bf16 rows h = μ_l + z, z ~ N(0, diag(σ²)) with σ² over a decade, ‖μ_l‖²/tr C = ratio; 1 % zeroed."""
+    g = torch.Generator().manual_seed(seed)
+    sig = torch.logspace(0, -1, d, dtype=torch.float64)
+    mus = [v / v.norm() * (ratio * float(sig.square().sum())) ** 0.5
+           for v in (torch.randn(d, generator=g, dtype=torch.float64) for _ in range(L))]
+    out = []
+    for a in range(0, rows, batch):
+        k = min(batch, rows - a)
+        ok = torch.rand(k, generator=g) > 0.01
+        out.append(([(mu + torch.randn(k, d, generator=g, dtype=torch.float64) * sig).bfloat16() for mu in mus], ok))
+    return out
+
+
+def test_bf16_moments_error_is_bounded_whatever_the_mean():
+    """precision "bfloat16" against float64 products of the same bf16 rows: a layer whose first batch
+    has ‖μ‖²/tr C above SPLIT_RATIO is centred and split into bf16 hi + lo parts, and its covariance
+    stays within 5e-6 of the largest entry at ‖μ‖²/tr C = 1e3 (raw rows there: ~2e-3) — layers raw,
+    split and raw in turn, so that every kind of pair's cross moment is checked; zeroed rows, several
+    products per batch, the background thread bit for bit."""
+    L, d = 3, 24
+    rows = synthetic(1e3, d, 6000, L=L, batch=1500, seed=4)
+    mild = synthetic(0.1, d, 6000, L=L, batch=1500, seed=5)
+    batches = [([m[0][0], h[0][1], m[0][2]], h[1] & m[1]) for m, h in zip(mild, rows)]  # ratios 0.1, 1e3, 0.1
+    batches = [([h.masked_fill(~ok[:, None], 0) for h in hs], ok) for hs, ok in batches]
+    ms = {name: Moments(L, d, "cpu", precision="bfloat16", background=bg) for name, bg in
+          (("inline", False), ("thread", True), ("raw", False))}
+    ms["raw"].SPLIT_RATIO = float("inf")
+    for m in ms.values():
+        m.CHUNK_BF16 = 1024
+    exact = Moments(L, d, "cpu", precision="float64", background=False)
+    for hs, ok in batches:
+        for layer, h in enumerate(hs):
+            for m in (*ms.values(), exact):
+                m.add(layer, h, ok)
+    inline, thread, raw = ms["inline"], ms["thread"], ms["raw"]
+    assert inline._split == [False, True, False] and raw._split == [False, False, False]
+    assert inline.paths["moments_rows"] == "centred hi+lo in layers [1] (|mu|^2/tr C > 1), raw elsewhere"
+    assert raw.paths["moments_rows"] == "raw" and 500 < inline._ratio[1] < 2000
+
+    def cov_error(m, layer):
+        n = float(exact.n[layer])
+        mu = exact.s1[layer].numpy() / n
+        C64 = exact.s2(layer) / n - np.outer(mu, mu)
+        return np.abs(m.s2(layer) / n - np.outer(mu, mu) - C64).max() / np.abs(C64).max()
+
+    assert cov_error(inline, 1) <= 5e-6 and cov_error(raw, 1) > 1e-4  # the split matters
+    for layer in range(L):
+        assert cov_error(inline, layer) <= 5e-6, layer
+        assert np.array_equal(inline.s2(layer), thread.s2(layer))
+    assert torch.equal(inline.s1, exact.s1) and torch.equal(inline.n, exact.n) and torch.equal(inline.n_pair, exact.n_pair)
+    for layer in range(L - 1):  # raw → split and split → raw pairs
+        X64 = exact.cross(layer)
+        assert np.abs(inline.cross(layer) - X64).max() <= 1e-6 * np.abs(X64).max(), layer
+        assert np.array_equal(inline.cross(layer), thread.cross(layer))
+    thread.close()
+
+
+def test_doctor_measures_checks_and_saves_a_report(model_factory, sources, tmp_path):
+    """`cli.py doctor` on a tiny model for a fraction of a second: the ratio, tok/s, peak memory, the
+    paths taken, the check against float64 and versions, printed and saved as JSON; bad input is one
+    error line and exit code 2."""
+    import json
+
+    from conftest import run_cli
+
+    out = tmp_path / "doctor.json"
+    code, _, err = run_cli("doctor", "--model", model_factory("gpt_neox"), "--device", "cpu", "--seconds", "0.2",
+                           "--batches", "2", "--batch-tokens", "64", "--max-length", "24", "--source", f"alpha={sources['alpha']}", "--out", out)
+    assert code == 0, err
+    rep = json.loads(out.read_text())
+    assert rep["device"] == "cpu" and rep["passes"] >= 1 and rep["batches"] == 2 and rep["tokens_per_pass"] > 0
+    assert rep["bare_tok_s"] > 0 and rep["default_tok_s"] > 0 and rep["ratio"] > 0 and rep["peak_memory_bytes"] > 0
+    assert rep["paths"] == {"layer_step": "eager", "scatter": "atomic", "moments": "float32 (centred, oneDNN)"
+                            if accumulate._ONEDNN is not None and accumulate._avx512() else "float32 (centred)"}
+    assert rep["check"]["token_sums_max_rel_error"] <= 1e-12 and rep["check"]["moments_covariance_max_rel_error"] <= 1e-5
+    assert rep["versions"]["torch"] and "ratio" in err and "saved:" in err
+    code, _, err = run_cli("doctor", "--model", model_factory("gpt_neox"), "--seconds", "0", "--out", out)
+    assert code == 2 and err.strip() == "error: --seconds 0.0: expected a positive number"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU tests above cover the arithmetic)")
+def test_the_whole_batch_loop_has_no_host_sync_on_cuda(model_factory, sources, monkeypatch):
+    """On a GPU, after the first batch (which compiles the step and decides each layer's bf16 rows),
+    the whole batch loop — batches made on the background thread, pinned copies, the forward without
+    a mask, the hooks, the token sums, bf16 moments — runs under CUDA's sync debug mode "error"."""
+    from extract import run
+    from extract.models import load, resolve_model
+    from extract.sources import Source
+
+    loaded = load(resolve_model(str(model_factory("gpt_neox"))), "main", torch.bfloat16, "cuda")
+    run.to_compute(loaded, torch.bfloat16, "cuda")
+    real = run._forward
+    calls = []
+
+    def forward(*a):
+        calls.append(1)
+        if len(calls) == 2:  # from the second batch on
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        return real(*a)
+
+    monkeypatch.setattr(run, "_forward", forward)
+    s = run.Settings(device="cuda", dtype="bfloat16", moments_precision="bfloat16", batch_size=2, max_length=24,
+                     memory_budget=1 << 30)
+    try:
+        acc = run.accumulate_source(loaded, Source("alpha", sources["alpha"]), s, run.SourceResult("alpha"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    try:
+        assert len(calls) > 3 and acc.paths["layer_step"] == "compiled"
+    finally:
+        acc.close()
+
+
+def test_moments_fed_the_compiled_steps_n_and_sum_equal_their_own():
+    """On the compiled path the bf16 moments take n and Σh from the token-sum step's per-window sums
+    instead of reading the rows again: the same sums, bit for bit, as the eager path's moments that
+    compute them (NaN/zero rows, padding, several batches, the centred layers' decision included)."""
+    L, V, d = 2, 3000, 4
+    gen = torch.Generator().manual_seed(7)
+    accs = [TokenSums(L, V, d, "cpu", fused=f) for f in (False, True)]
+    for acc in accs:
+        acc.moments = Moments(L, d, "cpu", precision="bfloat16", background=False)
+    fed = []
+    real = accs[1].moments.add
+    accs[1].moments.add = lambda *a, **k: (fed.append(k.get("s") is not None), real(*a, **k))
+    for B, T in ((3, 5), (1, d), (2, 7)):
+        ids, counted, hidden = _batch(B, T, V, d, gen)
+        hidden = hidden + 3  # a mean: layer 0 is centred and split, the other raw
+        hidden[0, 0, 1] = float("nan")
+        for acc in accs:
+            acc.set_batch(ids, counted)
+            for layer in range(L):
+                acc.add(layer, hidden if layer == 0 else hidden - 3)
+    eager, fused = accs
+    assert all(fed) and len(fed) == 6 and fused._fused is not None
+    me, mf = eager.moments, fused.moments
+    assert torch.equal(me.n, mf.n) and torch.equal(me.s1, mf.s1) and me._split == mf._split == [True, False]
+    for layer in range(L):
+        assert np.array_equal(me.s2(layer), mf.s2(layer))
