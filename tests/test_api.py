@@ -120,7 +120,8 @@ def _trainer(model, tok, data, out, seed=0):
 def test_trainer_callback_equals_saved_checkpoints_and_leaves_training_unchanged(workdir, sources, model_factory):
     """20 Trainer steps (dropout on: the RNG matters) with the callback at the saves (10, 20) give the
     views of `cli.py extract` of the saved step-10 and step-20 checkpoints, log the headline numbers
-    through the trainer, and end in the same weights as the same run without the callback."""
+    through the trainer, and end in the same weights as the same run without the callbacks (this one
+    and one probing every 5 steps)."""
     from extract import IsotropyCallback
     from tiny import corpus
 
@@ -133,9 +134,13 @@ def test_trainer_callback_equals_saved_checkpoints_and_leaves_training_unchanged
     model, tok = _load(path, **dropout)
     data = _blocks(tok, corpus(60, seed=5))
     trainer = _trainer(model, tok, data, workdir / "cb-run")
-    cb = IsotropyCallback(tok, probe, wh, name=name, max_tokens=400, max_length=32).attach(trainer)
+    cb = IsotropyCallback(tok, probe, wh, name=name, max_tokens=400, max_length=32)
+    trainer.add_callback(cb)  # not attached: the numbers go to state.log_history directly
+    every = IsotropyCallback(tok, probe, workdir / "cb-every-wh", name=name, max_tokens=400, max_length=32,
+                             every=5).attach(trainer)  # through Trainer.log, from on_step_end
     trainer.train()
     assert [h["step"] for h in cb.history] == [10, 20]
+    assert [h["step"] for h in every.history] == [5, 10, 15, 20] and every.history[1::2] == cb.history
     with_cb = {k: v.clone() for k, v in model.state_dict().items()}
 
     plain, tok2 = _load(path, **dropout)
@@ -154,12 +159,12 @@ def test_trainer_callback_equals_saved_checkpoints_and_leaves_training_unchanged
     from extract.api import headlines
 
     logged = {h["step"]: h for h in trainer.state.log_history if "isotropy/inter_sim_last" in h}
-    assert set(logged) == {10, 20}
+    assert set(logged) == {5, 10, 15, 20}
     for step in (10, 20):
         want_numbers = headlines(ref_wh, name, f"step{step}")
         assert len(want_numbers) == 4
         assert {k: logged[step][f"isotropy/{k}"] for k in want_numbers} == want_numbers
-    assert any("loss" in h and h.get("step") == 10 for h in trainer.state.log_history)  # the step's own log kept
+    assert {h["step"] for h in trainer.state.log_history if "loss" in h} == {5, 10, 15, 20}  # the steps' own logs kept
 
 
 def test_train_probe_equals_extract_of_its_checkpoints(workdir, sources):
