@@ -213,5 +213,6 @@ def test_bad_arguments_are_one_line(workdir, sources, model_factory):
     _one_line(IsotropyCallback, tok, alpha, wh, name="m", every=0, match="every=0")
     _one_line(IsotropyCallback, tok, alpha, wh, name="m", colour=1, match="unknown setting 'colour'")
     assert not (wh / "tables").exists()  # nothing written
-    code, _, err = run_cli("train", "--out", workdir / "x", "--probe", "nope")
-    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ")
+    for args in (["--probe", "nope"], ["--source", alpha, "--no-checkpoints"]):
+        code, _, err = run_cli("train", "--out", workdir / "x", *args)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
