@@ -70,9 +70,9 @@ def _stderr(message: str) -> None:
 def unwrap(model) -> torch.nn.Module:
     """The Hugging Face model inside DistributedDataParallel (`.module`) or torch.compile (`._orig_mod`)."""
     for _ in range(4):
-        inner = getattr(model, "_orig_mod", None) or (getattr(model, "module", None)
-                                                       if isinstance(getattr(model, "module", None), torch.nn.Module) else None)
-        if inner is None:
+        wrapped = isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel))
+        inner = model.module if wrapped else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
             break
         model = inner
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") or \
@@ -142,12 +142,18 @@ def in_memory(model: torch.nn.Module, tokenizer, ref: ModelRef, checkpoint: str,
 
 @contextlib.contextmanager
 def as_it_was(model: torch.nn.Module):
-    """Eval mode and no autograd inside; afterwards every module's training flag as it was and the
-    global RNG states (CPU, CUDA) restored, so a training run goes on exactly as without the pass."""
+    """Eval mode, no autograd and no autocast inside (a caller's mixed-precision context would change
+    the numbers); afterwards every module's training flag as it was and the global RNG states (CPU,
+    CUDA) restored, so a training run goes on exactly as without the pass."""
     modes = [(m, m.training) for m in model.modules()]
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = [torch.cuda.current_device()] if cuda else []
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            stack.enter_context(torch.no_grad())
+            for kind in ("cpu", "cuda") if cuda else ("cpu",):
+                stack.enter_context(torch.autocast(kind, enabled=False))
             model.eval()
             yield
     finally:

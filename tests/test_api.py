@@ -44,7 +44,7 @@ def _same_state(a, b):
 
 def test_extract_model_equals_cli_extract_and_leaves_the_model(workdir, sources, model_factory, single):
     """The saved tiny model loaded in memory (in train mode, a frozen parameter, a grad, a hook of the
-    user's) gives the views of `cli.py extract` of its directory (the `single` fixture); a source
+    user's; called under autocast) gives the views of `cli.py extract` of its directory (the `single` fixture); a source
     given as (name, texts) equals the same documents from the file; the model is left as it was."""
     from extract import extract_model, weights_fingerprint
     from extract.sources import ReadStats, documents, parse_source
@@ -59,8 +59,9 @@ def test_extract_model_equals_cli_extract_and_leaves_the_model(workdir, sources,
     before, rng = _state(model), torch.get_rng_state()
     beta = list(documents(parse_source(f"beta={sources['beta']}"), (1, 1), ReadStats()))
     wh = workdir / "api-extract"
-    entries = extract_model(model, tok, [f"alpha={sources['alpha']}", ("beta", iter(beta))], wh,
-                            name=path.name, max_length=32, batch_size=2, cross_moments=True, log=None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a caller's mixed precision does not reach the pass
+        entries = extract_model(model, tok, [f"alpha={sources['alpha']}", ("beta", iter(beta))], wh,
+                                name=path.name, max_length=32, batch_size=2, cross_moments=True, log=None)
     assert views(wh) == single["views"]
     assert [e["kind"] for e in entries] == ["params", "data", "data"]
     assert {e["source"] for e in entries} == {None, "alpha", "beta"}
