@@ -780,9 +780,11 @@ def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settin
 
 
 def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
-            settings: Settings, log=print, prints: dict[str, str] | None = None) -> list[SourceResult]:
+            settings: Settings, log=print, prints: dict[str, str] | None = None, loader=None) -> list[SourceResult]:
     """Every checkpoint over every source, one commit per checkpoint.  `prints`: the sources' data
-    fingerprints where the caller has them already (a sweep's plan), so no file is hashed twice."""
+    fingerprints where the caller has them already (a sweep's plan), so no file is hashed twice.
+    `loader(ref, checkpoint)`: a `Loaded` instead of `load` (an in-memory model, extract/api.py),
+    run in its own dtype and device (not cast)."""
     root = open_storage(root)  # a directory or s3://bucket/prefix; S3 is probed here, before any model loads
     limit_malloc_arenas()
     dtype = DTYPES[settings.dtype]
@@ -803,7 +805,8 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         if not settings.params_only:
             merge.check_open(store.read_manifest(root), ref.name, checkpoint)  # before hours of forward passes
         t0 = time.perf_counter()
-        loaded = load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code, settings.modules)
+        loaded = (load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code, settings.modules)
+                  if loader is None else loader(ref, checkpoint))
         spent = {"load": time.perf_counter() - t0}  # seconds of each phase, logged per checkpoint
         if settings.max_length is not None and settings.max_length > loaded.context:
             raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
@@ -829,7 +832,8 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                 spent["parameter tables"] = time.perf_counter() - t
                 written += params_files.values()
                 entries = [_entry("params", loaded, run_id, params_files, settings, d, prov=prov)]
-            to_compute(loaded, dtype, settings.device)
+            if loader is None:  # an in-memory model is left in its own dtype and device
+                to_compute(loaded, dtype, settings.device)
             for source in ([] if settings.params_only else todo):
                 if source.split_by is None:
                     result = SourceResult(source.name)

@@ -6,6 +6,11 @@ embeddings, and saves `out/step0`, `out/step{k}`, … `out/step{steps}` with `sa
 (safetensors + tokenizer): a local model whose checkpoints `extract` reads like Pythia's
 revisions.  `out/train.json` records the settings and the loss at every saved step; training
 again with the same settings reuses the finished checkpoints.
+
+With a `Probe` (`cli.py train --probe NAME=PATH`), every save step also runs the default extract
+pass on the live model over the probe set (extract/api.py's `probe_isotropy`) and commits it as
+checkpoint `step{k}` of the model `out`'s name — what `cli.py extract --model out` of the saved
+checkpoint gives; `save=False` (`--no-checkpoints`) keeps only those probes.
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ class TrainSettings:
     max_documents: int | None = None
 
 
+@dataclass(frozen=True)
+class Probe:
+    """Isotropy in the loop: the probe set (NAME=PATH), at most `max_tokens` of it, into `warehouse`."""
+    source: str
+    warehouse: str
+    max_tokens: int | None = 20_000
+
+
 def _save_steps(s: TrainSettings) -> list[int]:
     return sorted({0, s.steps, *range(0, s.steps + 1, s.save_every)})
 
@@ -69,8 +82,11 @@ def train_tokenizer(texts: list[str], vocab: int):
                                    pad_token="<|padding|>", model_max_length=10**6)
 
 
-def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint: str, log=print) -> dict:
-    """Train (or reuse) one micro model; returns the train.json record."""
+def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint: str, log=print,
+          probe: Probe | None = None, save: bool = True) -> dict:
+    """Train (or reuse) one micro model; returns the train.json record.  `probe`: isotropy at every
+    save step, in the loop (then the model is trained again even when finished: the probes need
+    it live); `save`: write the stepN checkpoints."""
     import transformers
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
@@ -81,7 +97,11 @@ def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint
         raise UserError(f"--width {settings.width} must be a multiple of --heads {settings.heads}")
     if settings.steps < 1 or settings.save_every < 1:
         raise UserError("--steps and --save-every must be at least 1")
-    if finished(out, settings, source_fingerprint):
+    if not save and probe is None:
+        raise UserError("--no-checkpoints keeps nothing without --probe")
+    if probe is not None and probe.max_tokens is not None and probe.max_tokens < 1:
+        raise UserError("--probe-tokens must be at least 1")
+    if probe is None and save and finished(out, settings, source_fingerprint):
         log(f"{out}: already trained with these settings; reusing it")
         return json.loads((out / "train.json").read_text())
     torch.manual_seed(settings.seed)
@@ -126,12 +146,21 @@ def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint
               "tokens_in_source": len(data), "parameters": sum(p.numel() for p in model.parameters()),
               "checkpoints": {}}
     out.mkdir(parents=True, exist_ok=True)
+    save_to_disk = save
 
     def save(step: int, loss: float | None) -> None:
-        target = out / f"step{step}"
-        model.save_pretrained(target)
-        tok.save_pretrained(target)
+        if save_to_disk:
+            target = out / f"step{step}"
+            model.save_pretrained(target)
+            tok.save_pretrained(target)
         record["checkpoints"][f"step{step}"] = {"loss": loss}
+        if probe is not None:  # the live model, in eval mode under no autograd; train mode and RNG restored
+            from .api import probe_isotropy
+
+            numbers = probe_isotropy(model, tok, probe.source, probe.warehouse, name=out.resolve().name, step=step,
+                                     max_tokens=probe.max_tokens)
+            record["checkpoints"][f"step{step}"]["isotropy"] = numbers
+            log(f"{out.name} step{step}: " + ", ".join(f"{k} {v:.4f}" for k, v in numbers.items()))
 
     bar = progress(f"train {out.name}", total=settings.steps, unit="step",  # a bar on a terminal, else plain lines
                    per_unit=(settings.batch_size * settings.context, "tok"))
@@ -156,7 +185,8 @@ def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint
         bar.update(1)
     bar.close()
     record["seconds"] = round(time.perf_counter() - start, 1)
-    (out / "train.json").write_text(json.dumps(record, indent=1))
+    if save:  # train.json says the checkpoints are there
+        (out / "train.json").write_text(json.dumps(record, indent=1))
     log(f"{out}: trained {settings.steps} steps in {record['seconds']} s, final loss {loss_val:.3f}, "
         f"{len(record['checkpoints'])} checkpoints")
     return record

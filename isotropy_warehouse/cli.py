@@ -346,19 +346,28 @@ def train(
     batch_size: int = typer.Option(16, help="Sequences per step."),
     lr: float = typer.Option(3e-3, help="Peak learning rate (warm-up, then cosine to 10 %)."),
     seed: int = typer.Option(0, help="Seed for initialisation and batches."),
+    probe: Optional[str] = typer.Option(None, "--probe", help="NAME=PATH: at every save step, extract the live model over this probe set into --warehouse (checkpoint stepN of the model named after --out), in the loop."),
+    warehouse: str = WAREHOUSE,
+    probe_tokens: int = typer.Option(20_000, help="Tokens of the --probe set per probe."),
+    checkpoints: bool = typer.Option(True, "--checkpoints/--no-checkpoints", help="Save out/stepN checkpoints (--no-checkpoints: only the --probe results)."),
 ):
     """Train a micro Pythia-style GPT-NeoX on a source, saving checkpoints step0 … stepN for `extract`.
 
     Example: python cli.py train --source stdlib-docs --out micro/untied --untied --steps 600 --save-every 60
+
+    Example (isotropy in the loop): python cli.py train --out micro/untied --probe probe=probe.txt --warehouse warehouse
     """
     from extract.sources import fingerprint, parse_source
-    from extract.train import TrainSettings, train as run_train
+    from extract.train import Probe, TrainSettings, train as run_train
 
     try:
         src = parse_source(source)
         settings = TrainSettings(tied=tied, width=width, depth=depth, heads=heads, context=context, vocab=vocab,
                                  steps=steps, save_every=save_every, batch_size=batch_size, lr=lr, seed=seed)
-        run_train(src, out, settings, fingerprint(src), log=lambda m: typer.echo(m, err=True))
+        if probe is not None:
+            parse_source(probe)  # a bad probe source: one line before training
+        run_train(src, out, settings, fingerprint(src), log=lambda m: typer.echo(m, err=True),
+                  probe=Probe(probe, warehouse, probe_tokens) if probe is not None else None, save=checkpoints)
     except UserError as e:
         fail(str(e))
 

@@ -1,0 +1,334 @@
+"""Extraction from Python: a model already in memory (a notebook, a training loop) into the warehouse.
+
+`extract_model(model, tokenizer, sources, warehouse, name=…)` is `cli.py extract` without the load:
+the same windows, batches, sums, parameter tables and one atomic commit (extract/run.py's `extract`
+with a `loader` that hands it the model), and it returns the committed manifest entries.  The model
+runs where it is (its device and dtype, never cast or moved) in eval mode under inference mode, the
+global RNG states are restored afterwards, and every module's train/eval flag is put back: the model
+is left as it was (requires_grad, .grad, weights and the user's own hooks untouched; ours are removed).
+
+Its identity in the provenance (`model_revision`, `weights`) is a fingerprint of its weights,
+`weights_fingerprint`: blake2b over every state_dict tensor's name, dtype, shape and bytes in
+state_dict order (a tied tensor once).
+
+`probe_isotropy(model, tokenizer, source, warehouse, name=…, step=…)` is the same pass for a
+training loop: checkpoint `step{step}`, at most `max_tokens` of the source, and it returns a few
+headline numbers read back from the warehouse's views (`HEADLINES`).  extract/callback.py wraps it
+as a `transformers.TrainerCallback`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from isotropy_warehouse.errors import UserError
+from warehouse import store
+from warehouse.storage import open_storage
+
+from .architectures import discover, text_config
+from .launch import Launch
+from .models import DTYPES, Loaded, ModelRef, forward_kwargs, head_of, parse_step, special_template
+from .sources import NAME_RE, parse_shard
+
+# The extract command's options by their Python names, with the command's defaults (a test checks
+# them against cli.py's signature).  `device` and `dtype` may only repeat the model's own.
+SETTING_DEFAULTS = {
+    "unit": "document", "max_length": None, "max_tokens": None, "batch_size": None, "batch_tokens": None,
+    "device": None, "dtype": None, "shard": None, "vector_dtype": "float32", "params_only": False,
+    "accumulator_device": None, "moments": True, "cross_moments": False, "moments_precision": None,
+    "scatter": "atomic", "sequences": None, "prompt_entropy": False, "sample": 0, "skip_done": False,
+    "trust_remote_code": False, "special_tokens": False, "memory_budget": None, "spill_dir": None,
+    "module": None, "split_limit": 64,
+    # source options
+    "pile_set": None, "split_by": None, "split": "train", "steps": None, "rows_per_step": 1024,
+    "seq_length": 2049, "text_column": "text", "encoding_errors": "strict",
+}
+
+# Headline numbers of a probe: (key, view, column, filter) — the last layer's, and I(W) of both matrices.
+HEADLINES = ("inter_sim_last", "avg_intra_sim_last", "i_w_embedding", "i_w_unembedding")
+
+
+def _quiet(message: str) -> None:
+    pass
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+# ---------------------------------------------------------------- the model
+
+
+def unwrap(model) -> torch.nn.Module:
+    """The Hugging Face model inside DistributedDataParallel (`.module`) or torch.compile (`._orig_mod`)."""
+    for _ in range(4):
+        wrapped = isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel))
+        inner = model.module if wrapped else getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        model = inner
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config") or \
+            not hasattr(model, "get_input_embeddings"):
+        raise UserError(f"model: expected a Hugging Face model (a PreTrainedModel), not {type(model).__name__}")
+    return model
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """blake2b-128 over the state_dict: each tensor's name, dtype, shape and bytes in state_dict order
+    (a tensor shared by two names — tied embeddings — hashed once, the second name pointing at the
+    first).  Copies one tensor at a time to the host; measured in docs/extract.md."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(type(model).__name__.encode() + b"\n")
+    seen: dict[tuple, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        t = t.detach()
+        ident = (t.device, t.untyped_storage().data_ptr() if t.numel() else 0, t.storage_offset(), t.dtype,
+                 tuple(t.shape), t.stride())
+        if t.numel() and ident in seen:
+            h.update(f"{name}={seen[ident]}\n".encode())
+            continue
+        seen[ident] = name
+        h.update(f"{name}\0{str(t.dtype)}\0{tuple(t.shape)}\n".encode())
+        if t.numel():
+            flat = t.contiguous().reshape(-1)
+            h.update(flat.view(torch.uint8).cpu().numpy())  # the bytes as they are (a host copy only off the CPU)
+    return "blake2b " + h.hexdigest()
+
+
+def _head(model: torch.nn.Module) -> str:
+    """causal | masked | seq2seq | base, from the model's class (as `head_of` does from a config)."""
+    cls = type(model).__name__
+    if model.get_output_embeddings() is None:
+        return "base"
+    if cls.endswith("ForCausalLM"):
+        return "causal"
+    if cls.endswith("ForMaskedLM"):
+        return "masked"
+    return head_of(model.config)
+
+
+def model_place(model: torch.nn.Module) -> tuple[str, str]:
+    """(device, dtype) of the model's input embedding: where its pass runs and in what."""
+    w = model.get_input_embeddings().weight
+    names = {v: k for k, v in DTYPES.items()}
+    if w.dtype not in names:
+        raise UserError(f"model: its embedding is {str(w.dtype).removeprefix('torch.')}; expected one of {', '.join(DTYPES)}")
+    return str(w.device), names[w.dtype]
+
+
+def in_memory(model: torch.nn.Module, tokenizer, ref: ModelRef, checkpoint: str, step: int | None,
+              modules: dict, identity: str) -> Loaded:
+    """A `Loaded` of a model in memory (it must be in eval mode already: `discover` runs a probe)."""
+    head = _head(model)
+    layout = discover(model, head, modules, forward_kwargs(head))
+    text = text_config(model.config)
+    context = int(getattr(text, "max_position_embeddings", 0) or getattr(text, "n_positions", 0) or 2048)
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        raise UserError(f"tokenizer has {len(tokenizer)} tokens but the model's embedding has only {rows} rows")
+    prefix, suffix = special_template(tokenizer)
+    return Loaded(ref=ref, checkpoint=checkpoint, step=step, layout=layout, model=model, tokenizer=tokenizer,
+                  missing_keys=frozenset(), revision_hash=identity, context=context, prefix=prefix, suffix=suffix,
+                  weights_id=identity)
+
+
+@contextlib.contextmanager
+def as_it_was(model: torch.nn.Module):
+    """Eval mode, no autograd and no autocast inside (a caller's mixed-precision context would change
+    the numbers); afterwards every module's training flag as it was and the global RNG states (CPU,
+    CUDA) restored, so a training run goes on exactly as without the pass."""
+    modes = [(m, m.training) for m in model.modules()]
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = [torch.cuda.current_device()] if cuda else []
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            stack.enter_context(torch.no_grad())
+            for kind in ("cpu", "cuda") if cuda else ("cpu",):
+                stack.enter_context(torch.autocast(kind, enabled=False))
+            model.eval()
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+# ---------------------------------------------------------------- settings and sources
+
+
+def job_options(settings: dict, model_device: str, model_dtype: str, what: str = "extract_model") -> dict:
+    """The extract options of a call: defaults, then `settings`; device and dtype the model's."""
+    unknown = sorted(set(settings) - set(SETTING_DEFAULTS))
+    if unknown:
+        raise UserError(f"{what}: unknown setting {unknown[0]!r} (settings are cli.py extract's options by their "
+                        f"Python names: {', '.join(k for k in SETTING_DEFAULTS if k not in ('device', 'dtype'))})")
+    o = {**SETTING_DEFAULTS, **settings}
+    for key, actual in (("device", model_device), ("dtype", model_dtype)):
+        given = o[key]
+        if given is not None and str(given) != actual and not (key == "device" and given == "cuda"
+                                                                and actual.startswith("cuda")):
+            raise UserError(f"{what}: {key}={given!r}, but the model's weights are {actual}: the model runs where "
+                            f"it is (move or cast it first)")
+        o[key] = actual
+    if o["trust_remote_code"]:
+        raise UserError(f"{what}: trust_remote_code: the model is already loaded (its code is yours)")
+    return o
+
+
+def make_job_settings(o: dict):
+    """Settings from options `o`; shard from `shard` only (never from torchrun's environment: a
+    probe on rank 0 reads the whole probe set)."""
+    from .options import make_settings
+
+    shard = parse_shard(o["shard"]) if o["shard"] is not None else (1, 1)
+    return make_settings(o, Launch(shard, "explicit" if o["shard"] is not None else "single"),
+                         torch.cuda.is_available())
+
+
+def _texts_file(directory: Path, name: str, texts: Iterable[str]) -> Path:
+    """(name, texts) as a JSON-lines file, one document per text (newlines kept)."""
+    path = directory / f"{name}.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise UserError(f"source {name!r}: text {i} is a {type(t).__name__}, not a str")
+            f.write(json.dumps({"text": t}) + "\n")
+    return path
+
+
+def make_sources(sources, o: dict, directory: Path, what: str = "extract_model") -> list:
+    """NAME=PATH strings (as --source) or (name, iterable of texts) pairs → Sources.  An iterable is
+    read once, in full, into a JSON-lines file in `directory` (its provenance `source_path`)."""
+    from .options import check_sources, make_source
+
+    if isinstance(sources, (str, tuple)):
+        sources = [sources]
+    out = []
+    for s in sources or []:
+        if isinstance(s, str):
+            out.append(make_source(s, o))
+        elif isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[0], str) and not isinstance(s[1], (str, bytes)):
+            name, texts = s
+            try:
+                texts = iter(texts)
+            except TypeError:
+                raise UserError(f"{what}: source {name!r}: expected an iterable of texts, not {type(s[1]).__name__}") from None
+            if not NAME_RE.match(name) or name == "all":  # before the texts are read
+                raise UserError(f"{what}: source name {name!r}: expected 1-64 letters, digits, '.', '_' or '-' "
+                                "(not starting with '.' or '-', and not 'all')")
+            out.append(make_source(f"{name}={_texts_file(directory, name, texts)}", o))
+        else:
+            raise UserError(f"{what}: a source is a NAME=PATH string or a (name, iterable of texts) pair, "
+                            f"not {type(s).__name__}")
+    check_sources(out, o)
+    if not out and not o["params_only"]:
+        raise UserError(f"{what}: give at least one source (or params_only=True)")
+    return out
+
+
+def _check_name(value, what: str) -> str:
+    if not isinstance(value, str) or not value.strip() or value != value.strip() or "\n" in value:
+        raise UserError(f"{what} {value!r}: expected a non-empty name")
+    return value
+
+
+# ---------------------------------------------------------------- the calls
+
+
+def committed(root, name: str, checkpoint: str, results) -> list[dict]:
+    """The manifest entries this extract committed: its data entries and the parameter tables'."""
+    manifest = store.read_manifest(root)
+    data = [e for e in manifest["entries"].values()
+            if e["kind"] == "data" and e["model"] == name and e["checkpoint"] == checkpoint
+            and e["source"] in {r.source for r in results}]
+    runs = {e["run_id"] for e in data}
+    params = manifest["entries"].get(store.entry_key("params", name, checkpoint))
+    return ([params] if params is not None and (params["run_id"] in runs or not data) else []) + \
+        sorted(data, key=lambda e: e["key"])
+
+
+def extract_model(model, tokenizer, sources, warehouse, *, name: str, checkpoint: str = "main",
+                  step: int | None = None, log=_stderr, **settings) -> list[dict]:
+    """Run `cli.py extract` on a model in memory; returns the committed manifest entries.
+
+    `sources`: NAME=PATH strings as on the command line, or (name, iterable of texts) pairs;
+    `settings`: the extract command's options by their Python names (max_tokens=…, unit="sentence",
+    cross_moments=True, …).  `step`: default parsed from `checkpoint` (stepN).
+
+    Example: extract_model(model, tok, ["wiki=wiki.txt"], "warehouse", name="my-gpt", max_tokens=50_000)
+    """
+    from .run import extract
+
+    what = "extract_model"
+    _check_name(name, f"{what}: name")
+    _check_name(checkpoint, f"{what}: checkpoint")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise UserError(f"{what}: step {step!r}: expected a non-negative integer")
+    model = unwrap(model)
+    if not callable(tokenizer) or not hasattr(tokenizer, "__len__"):
+        raise UserError(f"{what}: tokenizer: expected a Hugging Face tokenizer, not {type(tokenizer).__name__}")
+    device, dtype = model_place(model)
+    o = job_options(settings, device, dtype, what)
+    job = make_job_settings(o)
+    root = open_storage(warehouse)
+    log = log or _quiet
+    ref = ModelRef(name, f"in-memory {type(model).__name__} {getattr(model.config, '_name_or_path', '') or ''}".strip(),
+                   False)
+    with tempfile.TemporaryDirectory(prefix="iso-texts-") as tmp:
+        srcs = make_sources(sources, o, Path(tmp), what)
+        with as_it_was(model):
+            identity = weights_fingerprint(model)
+            loaded = in_memory(model, tokenizer, ref, checkpoint, parse_step(checkpoint) if step is None else step,
+                               job.modules, identity)
+            results = extract(ref, [checkpoint], srcs, root, job, log=log, loader=lambda r, c: loaded)
+    return committed(root, name, checkpoint, results)
+
+
+def headlines(warehouse, name: str, checkpoint: str) -> dict[str, float]:
+    """The last layer's Inter-Sim and average Intra-Sim, and I(W) of the embedding and unembedding
+    (raw, not centred), of one (model, checkpoint), from the warehouse's views."""
+    from warehouse.query import connect
+
+    con = connect(warehouse)
+    try:
+        out = {}
+        for key, query in (
+            ("inter_sim_last", "SELECT inter_sim FROM inter_sim WHERE model = ? AND checkpoint = ? ORDER BY layer DESC LIMIT 1"),
+            ("avg_intra_sim_last", "SELECT avg_intra_sim FROM avg_intra_sim WHERE model = ? AND checkpoint = ? "
+                                   "ORDER BY layer DESC LIMIT 1"),
+            ("i_w_embedding", "SELECT i_w FROM isotropy WHERE model = ? AND checkpoint = ? AND matrix = 'embedding' "
+                              "AND NOT centered"),
+            ("i_w_unembedding", "SELECT i_w FROM isotropy WHERE model = ? AND checkpoint = ? AND matrix = 'unembedding' "
+                                "AND NOT centered"),
+        ):
+            row = con.execute(query, [name, checkpoint]).fetchone()
+            if row is not None and row[0] is not None:
+                out[key] = float(row[0])
+        return out
+    finally:
+        con.close()
+
+
+def probe_isotropy(model, tokenizer, source, warehouse, *, name: str, step: int, max_tokens: int | None = None,
+                   checkpoint: str | None = None, log=_quiet, **settings) -> dict[str, float]:
+    """The default extract pass on a live model over a probe set (`source`: NAME=PATH or (name,
+    texts), at most `max_tokens`), committed as checkpoint `step{step}` with that step; returns
+    the headline numbers (`headlines`).  For custom training loops and Lightning; the model is left
+    as it was (train mode, RNG states, grads).
+
+    Example: probe_isotropy(model, tok, "probe=probe.txt", "warehouse", name="my-run", step=step, max_tokens=20_000)
+    """
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise UserError(f"probe_isotropy: step {step!r}: expected a non-negative integer")
+    checkpoint = checkpoint or f"step{step}"
+    extract_model(model, tokenizer, [source], warehouse, name=name, checkpoint=checkpoint, step=step, log=log,
+                  max_tokens=max_tokens, **settings)
+    return headlines(warehouse, name, checkpoint)
