@@ -88,7 +88,7 @@ def extract(
     Example (one node, 8 GPUs, one shard per GPU): torchrun --standalone --nproc_per_node 8 cli.py extract --model pythia-1.4b --source pile=val.jsonl.zst
     """
     options = dict(locals())  # every option by name, before anything else is bound
-    from extract.launch import finish
+    from extract.launch import finish, reducer_for
     from extract.options import prepare
     from extract.run import extract as run_extract, summary_line
 
@@ -97,10 +97,12 @@ def extract(
         launch = job.launch
         start = time.perf_counter()
         tag = f"[rank {launch.rank} of {launch.world_size}] " if launch.distributed else ""
-        results = run_extract(job.ref, job.revisions, job.sources, warehouse, job.settings, log=lambda m: typer.echo(tag + m, err=True))
+        reducer = reducer_for(launch, job.settings.device, job.settings.spill_dir)  # torchrun: ranks add, rank 0 commits
+        results = run_extract(job.ref, job.revisions, job.sources, warehouse, job.settings, log=lambda m: typer.echo(tag + m, err=True),
+                              reducer=reducer)
         typer.echo(tag + summary_line(results, time.perf_counter() - start) +
                    f"; shard {launch.shard[0]}/{launch.shard[1]} ({launch.launcher}); warehouse: {warehouse}", err=True)
-        finish(launch)  # under torchrun: every rank has committed when this returns
+        finish(launch, reducer)  # under torchrun: rank 0 has committed when this returns
     except UserError as e:
         fail(str(e))
 
