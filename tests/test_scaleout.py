@@ -127,7 +127,10 @@ def test_torchrun_rank_killed_then_rerun_counts_once(single, workdir):
     got = views(wh)
     assert got["shards"] == [("main", s, "1-of-1") for s in ("alpha", "beta")]
     same_numbers(got, single["views"])
-    assert run_cli("validate", "--warehouse", wh)[0] == 0  # the killed job wrote nothing
+    code, out, _ = run_cli("validate", "--warehouse", wh)
+    assert code == 1 and "not listed in the manifest" in out  # rank 0's parameter tables: never visible
+    assert run_cli("validate", "--warehouse", wh, "--fix")[0] == 0
+    assert run_cli("validate", "--warehouse", wh)[0] == 0
 
 
 def test_slurm_array_script_sweeps_and_resumes(workdir, sources, model_factory):
