@@ -1,0 +1,323 @@
+"""Benchmark: the write path at the sweep's widths and vocabularies, without a GPU, in one process.
+
+Every partial goes through the writer `extract` uses (`extract.run.write_sums`, fed synthetic
+float64 sums in place of a model's: random, self-consistent, deterministic), then `merge.commit`
+(the fold into the source group and `all`), then, per checkpoint, `merge.compact` (unless
+--no-compact), as `cli.py sweep` now does.  Per partial it prints the bytes written and read (this
+process's /proc/self/io: write_bytes/read_bytes — what reached the block layer — and wchar/rchar — what
+went through read()/write(), page cache included), the seconds and the peak RSS, for the write and for
+the commit separately; then the disk peak over the run and the warehouse's size at rest.
+
+Then the start-up: `cli.py sql "SELECT 1"` and each figure view against the number of uncompacted
+partials (1, 8, 64, 512 tiny partials, written through the same writer, committed in one commit), beside
+`python -c "import duckdb, pyarrow.dataset, typer"`.  And with --metadata N: commit time, manifest bytes
+and start-up as the manifest grows to N entries (synthetic entries through `merge.commit`).
+
+    python bench/bench_scale.py --d 2048 --layers 2 --vocab 50304 --sources 2 --shards 2 --checkpoints 2
+    python bench/bench_scale.py --startup 1,8,64,512 --no-write
+    python bench/bench_scale.py --metadata 10000 --no-write --startup ''
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import run_script  # noqa: E402
+
+from extract import run  # noqa: E402
+from warehouse import merge, store  # noqa: E402
+
+FIGURE_VIEWS = ("avg_intra_sim", "inter_sim", "inter_sim_by_source", "intra_sim WHERE layer = 1", "anisotropy",
+                "dim_contrib", "drift", "inter_sim_types", "inter_sim_by_frequency")
+
+
+# ---------------------------------------------------------------- measuring this process
+
+
+def io() -> dict[str, int]:
+    """This process's I/O counters (bytes): read_bytes/write_bytes reach the block layer; rchar/wchar
+    are read()/write() calls, page cache included."""
+    out = {}
+    with open("/proc/self/io") as f:
+        for line in f:
+            k, v = line.split(":")
+            out[k] = int(v)
+    return out
+
+
+def reset_peak() -> None:
+    """Resets VmHWM (Linux ≥ 4.0) so that the next phase's peak RSS is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def disk(path: Path) -> int:
+    """Bytes of the files under `path` (allocated blocks)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(dirpath, f)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+class Phase:
+    """Seconds, I/O deltas and peak RSS of a `with` block."""
+
+    def __enter__(self):
+        reset_peak()
+        self.io0, self.t0 = io(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t0
+        io1 = io()
+        self.d = {k: io1[k] - self.io0[k] for k in ("rchar", "wchar", "read_bytes", "write_bytes")}
+        self.rss = peak_rss()
+
+    def line(self) -> str:
+        gb = 1e9
+        return (f"{self.seconds:7.2f} s  write {self.d['write_bytes'] / gb:7.3f} GB (wchar {self.d['wchar'] / gb:7.3f})  "
+                f"read {self.d['read_bytes'] / gb:7.3f} GB (rchar {self.d['rchar'] / gb:7.3f})  peak RSS {self.rss / gb:5.2f} GB")
+
+
+# ---------------------------------------------------------------- synthetic sums, read as TokenSums is
+
+
+class SyntheticMoments:
+    def __init__(self, L: int, d: int, n: int, seed: int):
+        self.L, self.d, self.seed = L, d, seed
+        self.n = torch.full((L,), n, dtype=torch.int64)
+        self.s1 = torch.from_numpy(np.random.default_rng(seed).standard_normal((L, d)))
+        self.has_cross = False
+        self.n_pair = None
+
+    def s2(self, layer: int) -> np.ndarray:
+        A = np.random.default_rng((self.seed, layer)).standard_normal((self.d, self.d))
+        return A @ A.T if self.d <= 1024 else A + A.T  # (d, d) symmetric (large d: no O(d³) product)
+
+
+class SyntheticSums:
+    """Every token type of a (types) subset of the vocabulary at every layer, random float64 Σû with
+    counts 1…199 — the rows `TokenSums.layer_rows` yields — and consistent per-layer sums."""
+
+    def __init__(self, L: int, V: int, d: int, seed: int, types: float = 1.0, moments: bool = False):
+        self.L, self.V, self.d, self.seed = L, V, d, seed
+        rng = np.random.default_rng(seed)
+        self.ids = np.sort(rng.choice(V, size=max(1, int(V * types)), replace=False)) if types < 1 else np.arange(V)
+        z = lambda dt: torch.zeros(L, dtype=dt)  # noqa: E731
+        self.nonfinite, self.zero, self.windows = z(torch.int64), z(torch.int64), z(torch.int64) + 10
+        self.window_cos = z(torch.float64) + 5.0
+        self.sum_h = torch.from_numpy(rng.standard_normal((L, d)))
+        self.sum_u2 = torch.full((L, d), 100.0 / d, dtype=torch.float64)
+        self.moments = SyntheticMoments(L, d, 100 * len(self.ids), seed) if moments else None
+        self.extra = self.sample = None
+        self.spills = []
+
+    def layer_rows(self, layer: int, chunk_rows: int | None = None):
+        chunk = chunk_rows or max(256, (16 << 20) // (8 * self.d))
+        for i, a in enumerate(range(0, len(self.ids), chunk)):
+            rng = np.random.default_rng((self.seed, layer, i))
+            ids = self.ids[a:a + chunk]
+            n = rng.integers(1, 200, size=len(ids))
+            U = rng.standard_normal((len(ids), self.d))
+            U /= np.linalg.norm(U, axis=1, keepdims=True)
+            yield ids, n, U * (n[:, None] ** 0.8)
+
+    def close(self) -> None:
+        pass
+
+
+def write_partial(wh: Path, model: str, checkpoint: str, step, source: str, shard: tuple[int, int], L: int, V: int,
+                  d: int, seed: int, types: float = 1.0, moments: bool = False, vector_dtype: str = "float32"
+                  ) -> dict:
+    """One partial through `run.write_sums` and its entry through `run._entry`, as `extract` makes them."""
+    loaded = SimpleNamespace(ref=SimpleNamespace(name=model), checkpoint=checkpoint, step=step, model=None, layout=None)
+    src = SimpleNamespace(name=source, pile_set=None, split_by=None, split_value=None)
+    settings = run.Settings(shard=shard, vector_dtype=vector_dtype, moments=moments)
+    acc = SyntheticSums(L, V, d, seed, types, moments)
+    run_id = store.new_run_id()
+    kinds = ["embedding"] + ["block"] * (L - 1)
+    real, run.layer_kinds = run.layer_kinds, lambda model, layout: kinds  # the model's layers, without a model
+    try:
+        files, stored = run.write_sums(wh, loaded, src, settings, acc, run_id)
+    finally:
+        run.layer_kinds = real
+    result = run.SourceResult(source, tokens=100 * len(acc.ids), vector_dtype=stored, files=files)
+    return run._entry("data", loaded, run_id, files, settings, d, src, result, {})
+
+
+def write_vocab(wh: Path, model: str, checkpoint: str, step, V: int, d: int) -> dict:
+    from bench_query import write_vocab as wv
+
+    return wv(wh, model, checkpoint, V, d, step)
+
+
+# ---------------------------------------------------------------- the parts
+
+
+def bench_write(wh: Path, a) -> None:
+    peak, commits = 0, []
+    for c in range(a.checkpoints):
+        ckpt, step = (f"step{c * 1000}", c * 1000)
+        merge.commit(wh, [write_vocab(wh, "bench", ckpt, step, a.vocab, a.d)])
+        for s in range(a.sources):
+            for k in range(a.shards):
+                with Phase() as w:
+                    entry = write_partial(wh, "bench", ckpt, step, f"source{s}", (k + 1, a.shards), a.layers,
+                                          a.vocab, a.d, seed=hash((c, s, k)) % 2**31, types=a.types,
+                                          moments=a.moments, vector_dtype=a.vector_dtype)
+                part = sum((wh / f).stat().st_size for f in entry["files"].values())
+                peak = max(peak, disk(wh))
+                with Phase() as m:
+                    merge.commit(wh, [entry])
+                peak = max(peak, disk(wh))
+                commits.append((part, w, m))
+                print(f"{ckpt} source{s} shard {k + 1}/{a.shards}: partial {part / 1e9:.3f} GB\n"
+                      f"    write  {w.line()}\n    commit {m.line()}", flush=True)
+        if not a.no_compact:
+            with Phase() as p:
+                merge.compact(wh, "bench", ckpt)
+            print(f"{ckpt} compact {p.line()}; warehouse {disk(wh) / 1e9:.3f} GB", flush=True)
+    total_part = sum(p for p, _, _ in commits)
+    io_commit = sum(m.d["rchar"] + m.d["wchar"] for _, _, m in commits)
+    print(f"partials {total_part / 1e9:.3f} GB; commits' rchar+wchar {io_commit / 1e9:.3f} GB "
+          f"= {io_commit / max(total_part, 1):.1f}× the partials; write {sum(w.seconds for _, w, _ in commits):.1f} s, "
+          f"commit {sum(m.seconds for _, _, m in commits):.1f} s")
+    print(f"disk peak {peak / 1e9:.3f} GB; at rest {disk(wh) / 1e9:.3f} GB")
+
+
+def time_imports(repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import duckdb, pyarrow.dataset, typer"], check=True)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def time_sql(wh, query: str, repeat: int = 3, env: dict | None = None) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        s, _, r = run_script(ROOT / "cli.py", "sql", query, "--warehouse", str(wh), "--format", "csv")
+        if r.returncode:
+            sys.exit(f"query failed: {query}\n{r.stderr[-2000:]}")
+        best = min(best, s)
+    return best
+
+
+def tiny_warehouse(wh: Path, partials: int, d: int = 16, L: int = 3, V: int = 512) -> None:
+    """`partials` tiny partials (source s, shard k of 8) written through the writer, one commit."""
+    merge.commit(wh, [write_vocab(wh, "bench", "main", None, V, d)])
+    entries = [write_partial(wh, "bench", "main", None, f"source{i // 8}", (i % 8 + 1, 8), L, V, d, seed=i,
+                             types=0.5, moments=True) for i in range(partials)]
+    merge.commit(wh, entries)
+
+
+def bench_startup(base: Path, counts: list[int]) -> None:
+    imports = time_imports()
+    print(f'python -c "import duckdb, pyarrow.dataset, typer": {imports:.2f} s (best of 3)')
+    print(f"{'partials':>8s} {'SELECT 1':>9s} " + " ".join(f"{v.split()[0][:14]:>14s}" for v in FIGURE_VIEWS)
+          + "   (seconds over the imports)")
+    for n in counts:
+        wh = base / f"startup-{n}"
+        if not (wh / store.MANIFEST).exists():
+            tiny_warehouse(wh, n)
+        row = [time_sql(wh, "SELECT 1") - imports]
+        for v in FIGURE_VIEWS:
+            row.append(time_sql(wh, f"SELECT * FROM {v}") - imports)
+        print(f"{n:8d} {row[0]:9.2f} " + " ".join(f"{x:14.2f}" for x in row[1:]), flush=True)
+
+
+def bench_metadata(base: Path, n: int) -> None:
+    """Commit time, manifest and views.sql bytes, and start-up as the manifest grows to n entries
+    (each a tiny partial of its own checkpoint: one params-free data entry per commit)."""
+    wh = base / "metadata"
+    imports = time_imports()
+    marks = sorted({m for m in (10, 100, 1000, 3000, 10000, n) if m <= n})
+    entries = 0
+    tmpl = write_partial(wh, "bench", "c0", 0, "s", (1, 1), 1, 4, 4, seed=0)
+    merge.commit(wh, [tmpl])
+    entries = len(store.read_manifest(wh)["entries"])
+    print(f"{'entries':>8s} {'commit s':>9s} {'manifest MB':>12s} {'views.sql KB':>13s} {'SELECT 1 s':>11s} (over imports)")
+    batch = 100
+    while entries < n:
+        goal = next(m for m in marks if m > entries)
+        while entries < goal - 1:  # many entries per commit to get there (each commit: one checkpoint's tiny partial)
+            k = min(batch, goal - 1 - entries)
+            merge.commit(wh, [{**tmpl, "key": store.entry_key("data", "bench", f"c{entries + i}", "s", "1-of-1"),
+                               "checkpoint": f"c{entries + i}"} for i in range(k)])
+            entries = len(store.read_manifest(wh)["entries"])
+        t0 = time.perf_counter()  # one ordinary commit at this size
+        e = write_partial(wh, "bench", f"x{entries}", 0, "s", (1, 1), 1, 4, 4, seed=entries)
+        merge.commit(wh, [e])
+        sec = time.perf_counter() - t0
+        entries = len(store.read_manifest(wh)["entries"])
+        s1 = time_sql(wh, "SELECT 1", repeat=1) - imports
+        print(f"{entries:8d} {sec:9.2f} {(wh / store.MANIFEST).stat().st_size / 1e6:12.2f} "
+              f"{(wh / store.VIEWS_FILE).stat().st_size / 1e3:13.1f} {s1:11.2f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=50_304)
+    ap.add_argument("--types", type=float, default=1.0, help="fraction of the vocabulary each partial holds")
+    ap.add_argument("--sources", type=int, default=2)
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--checkpoints", type=int, default=2)
+    ap.add_argument("--moments", action="store_true", help="also the d×d moments of every layer")
+    ap.add_argument("--vector-dtype", default="float32")
+    ap.add_argument("--no-compact", action="store_true", help="do not compact each checkpoint once its partials are in")
+    ap.add_argument("--no-write", action="store_true", help="skip the write-path part")
+    ap.add_argument("--startup", default="1,8,64,512", help="partial counts for the start-up part ('' : skip)")
+    ap.add_argument("--metadata", type=int, default=0, help="grow the manifest to this many entries (0: skip)")
+    ap.add_argument("--dir", type=Path, default=None, help="where to build (kept; default: a temporary directory, removed)")
+    a = ap.parse_args()
+    base = a.dir or Path(tempfile.mkdtemp(prefix="isoscale-"))
+    base.mkdir(parents=True, exist_ok=True)
+    print(f"{time.strftime('%Y-%m-%d')} bench_scale: {os.cpu_count()} CPUs; {' '.join(sys.argv[1:])}")
+    try:
+        if not a.no_write:
+            print(f"write path: {a.checkpoints} checkpoint(s) × {a.sources} source(s) × {a.shards} shard(s), "
+                  f"{a.layers} layers, {a.vocab} types × {a.types:g}, d {a.d}, vectors {a.vector_dtype}"
+                  f"{', moments' if a.moments else ''}; warehouse {base / 'wh'}")
+            bench_write(base / "wh", a)
+        if a.startup:
+            bench_startup(base, [int(x) for x in a.startup.split(",")])
+        if a.metadata:
+            bench_metadata(base, a.metadata)
+    finally:
+        if a.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
