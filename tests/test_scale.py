@@ -1,0 +1,94 @@
+"""At the sweep's scale: the views bind without opening every partial (start-up constant in the
+number of uncompacted partials), locally and on S3; a sweep compacts each finished checkpoint."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_scale import write_partial, write_vocab  # noqa: E402  (the extract writer, synthetic sums)
+from test_s3 import BUCKET, s3, s3env  # noqa: E402,F401  (moto's S3 server on loopback)
+
+DTYPES = ("float16", "float32", "float64")
+
+
+def many_partials(wh, n: int) -> list[dict]:
+    """n tiny partials (2 sources × n/2 shards) of mixed vector dtypes, through the extract writer, one commit."""
+    from warehouse import merge
+
+    merge.commit(wh, [write_vocab(wh, "m", "main", None, 64, 8)])
+    entries = [write_partial(wh, "m", "main", None, f"s{i % 2}", (i // 2 + 1, n // 2), 2, 64, 8, seed=i, types=0.5,
+                             vector_dtype=DTYPES[i % 3]) for i in range(n)]
+    merge.commit(wh, entries)
+    return entries
+
+
+def first_bound(wh) -> str:
+    """The token_sums file the view binds by (the first of the list)."""
+    from warehouse import query, store
+
+    manifest = store.read_manifest(wh)
+    return query._files("token_sums", [e for e in manifest["entries"].values() if "token_sums" in e["files"]])[0]
+
+
+def test_views_bind_by_one_file_and_read_every_dtype_exactly(tmp_path):
+    """Views are created from one footer: every other partial's token_sums file broken (not a
+    Parquet file any more) still lets `connect`, SELECT 1 and the views over merged tables work —
+    with union_by_name the views' creation read every footer (and failed here).  Before breaking
+    them: token_sums returns every partial's stored vectors exactly, float16/float32/float64 mixed,
+    whichever file sorts first."""
+    from warehouse.query import connect
+
+    wh = tmp_path / "wh"
+    entries = many_partials(wh, 48)
+    con = connect(wh)
+    assert con.execute("SELECT typeof(vec) FROM token_sums LIMIT 1").fetchone()[0] == "DOUBLE[]"
+    for e in entries[:6]:  # each dtype twice: the view's values are the file's, widened exactly
+        want = pq.read_table(wh / e["files"]["token_sums"]).sort_by([("layer", "ascending"), ("token_id", "ascending")])
+        got = con.execute("SELECT vec FROM token_sums WHERE source = ? AND shard = ? ORDER BY layer, token_id",
+                          [e["source"], e["shard"]]).fetchall()
+        assert [r[0] for r in got] == [list(map(float, np.asarray(v, dtype=np.float64))) for v in
+                                       want.column("vec").to_pylist()]
+    before = con.execute("SELECT * FROM avg_intra_sim ORDER BY ALL").fetchall()
+    con.close()
+    keep = first_bound(wh)
+    for e in entries:
+        if e["files"]["token_sums"] != keep:
+            (wh / e["files"]["token_sums"]).write_bytes(b"not parquet")
+    con = connect(wh)
+    assert con.execute("SELECT 1").fetchone() == (1,)
+    assert con.execute("SELECT * FROM avg_intra_sim ORDER BY ALL").fetchall() == before  # merged tables only
+    with pytest.raises(Exception):
+        con.execute("SELECT sum(n) FROM token_sums").fetchall()  # the broken files are read only by a query
+    con.close()
+
+
+def test_views_on_s3_bind_without_listing_or_opening_the_partials(s3env, tmp_path):
+    """The same on S3 (moto): each table is a pyarrow dataset made from the listed paths and the
+    schema alone — every partial's token_sums object but the first deleted, connect and the merged
+    views still work (a guard: this held before the local fix too)."""
+    from warehouse.query import connect
+    from warehouse.storage import open_storage
+
+    url = f"s3://{BUCKET}/scale-startup"
+    entries = many_partials(url, 24)
+    con = connect(url)
+    before = con.execute("SELECT * FROM avg_intra_sim ORDER BY ALL").fetchall()
+    total = con.execute("SELECT count(*) FROM token_sums").fetchone()
+    con.close()
+    assert total[0] > 0
+    st = open_storage(url)
+    keep = first_bound(url)
+    for e in entries:
+        if e["files"]["token_sums"] != keep:
+            st.delete(e["files"]["token_sums"])
+    con = connect(url)
+    assert con.execute("SELECT 1").fetchone() == (1,)
+    assert con.execute("SELECT * FROM avg_intra_sim ORDER BY ALL").fetchall() == before
+    con.close()
