@@ -761,12 +761,13 @@ def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settin
 
 
 def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
-            settings: Settings, log=print, prints: dict[str, str] | None = None, reducer=None
-            ) -> list[SourceResult]:
+            settings: Settings, log=print, prints: dict[str, str] | None = None, reducer=None,
+            compact: bool = False) -> list[SourceResult]:
     """Every checkpoint over every source, one commit per checkpoint.  `prints`: the sources' data
     fingerprints where the caller has them already (a sweep's plan), so no file is hashed twice.
     `reducer` (extract/reduce.py, a rank of a torchrun job): the ranks' sums are added before the
-    write, and only rank 0 writes and commits."""
+    write, and only rank 0 writes and commits.  `compact`: each checkpoint is compacted after its commit
+    (`cli.py compact`; it then takes no new partial)."""
     root = open_storage(root)  # a directory or s3://bucket/prefix; S3 is probed here, before any model loads
     limit_malloc_arenas()
     dtype = DTYPES[settings.dtype]
@@ -877,6 +878,10 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
             raise
         finally:
             del loaded
+        if compact and (reducer is None or reducer.writes) and any(e["kind"] == "data" for e in entries):
+            t = time.perf_counter()
+            merge.compact(root, ref.name, checkpoint)
+            spent["compact"] = time.perf_counter() - t
         if reducer is None or reducer.writes:
             query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
         log(f"{ref.name}@{checkpoint}: {time.perf_counter() - t0:.1f} s: " +

@@ -92,3 +92,52 @@ def test_views_on_s3_bind_without_listing_or_opening_the_partials(s3env, tmp_pat
     assert con.execute("SELECT 1").fetchone() == (1,)
     assert con.execute("SELECT * FROM avg_intra_sim ORDER BY ALL").fetchall() == before
     con.close()
+
+
+def compacted(wh) -> dict[str, bool]:
+    from warehouse import merge, store
+
+    manifest = store.read_manifest(wh)
+    pairs = sorted({(e["model"], e["checkpoint"]) for e in manifest["entries"].values() if e["kind"] == "data"})
+    return {c: merge.is_compacted(manifest, m, c) for m, c in pairs}
+
+
+def disk(path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*.parquet"))
+
+
+def test_sweep_compacts_each_finished_checkpoint(workdir, sources, model_factory):
+    """`cli.py sweep` compacts each checkpoint once its units (2 shards) are in; --no-compact keeps them
+    open; every view is the same either way, and `extract --compact` does the same for its checkpoint."""
+    import shutil
+
+    from conftest import run_cli, same_numbers, views
+
+    root = workdir / "models" / "sweep-compact"
+    for step in ("step0", "step5"):
+        if not (root / step).exists():
+            shutil.copytree(model_factory("gpt_neox", tied=True), root / step)
+    config = workdir / "sweep-compact.toml"
+    config.write_text(f'models = [{{ model = "{root}", checkpoints = "all" }}]\nshards = 2\n'
+                      f'[sources]\nalpha = "{sources["alpha"]}"\n[settings]\nmax_length = 32\nbatch-size = 2\n')
+    wh, open_wh = workdir / "sweep-compact-wh", workdir / "sweep-compact-open"
+    code, _, err = run_cli("sweep", config, "--warehouse", wh)
+    assert code == 0, err
+    assert "sweep-compact@step0: every unit in; compacted" in err and "sweep-compact@step5: every unit in" in err
+    assert compacted(wh) == {"step0": True, "step5": True}
+    code, _, err = run_cli("sweep", config, "--warehouse", open_wh, "--no-compact")
+    assert code == 0, err
+    assert compacted(open_wh) == {"step0": False, "step5": False}
+    assert disk(wh) < disk(open_wh)
+    same_numbers(views(wh), views(open_wh), tol=1e-12)
+    code, _, err = run_cli("sweep", config, "--warehouse", open_wh)  # nothing left to run: the finished ones compacted
+    assert code == 0 and compacted(open_wh) == {"step0": True, "step5": True}, err
+
+    one = workdir / "extract-compact"
+    code, _, err = run_cli("extract", "--model", root, "--checkpoint", "step5", "--source", f"alpha={sources['alpha']}",
+                           "--max-length", 32, "--batch-size", 2, "--compact", "--warehouse", one)
+    assert code == 0, err
+    assert compacted(one) == {"step5": True}
+    code, _, err = run_cli("extract", "--model", root, "--checkpoint", "step5", "--source", f"alpha={sources['alpha']}",
+                           "--max-length", 32, "--batch-size", 2, "--shard", "1/2", "--warehouse", one)
+    assert code == 2 and "compact" in err  # a compacted checkpoint takes no new partial
