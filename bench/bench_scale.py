@@ -262,32 +262,41 @@ def bench_startup(base: Path, counts: list[int]) -> None:
 
 
 def bench_metadata(base: Path, n: int) -> None:
-    """Commit time, manifest and views.sql bytes, and start-up as the manifest grows to n entries
-    (each a tiny partial of its own checkpoint: one params-free data entry per commit)."""
+    """Commit time, manifest.json / views.sql / runs.parquet / commit-record bytes and start-up as the
+    manifest grows to n entries: filler entries (parameter tables of checkpoints c0, c1, …, each
+    listing one tiny vocab file) published through `store.publish` in batches, then at each mark one
+    ordinary commit (a tiny partial of a new checkpoint: `merge.commit` + `refresh_companions`, as
+    extract does) timed."""
+    from warehouse.query import refresh_companions
+
     wh = base / "metadata"
     imports = time_imports()
+    vocab = write_vocab(wh, "bench", "c0", 0, 8, 4)
+    merge.commit(wh, [vocab])
     marks = sorted({m for m in (10, 100, 1000, 3000, 10000, n) if m <= n})
-    entries = 0
-    tmpl = write_partial(wh, "bench", "c0", 0, "s", (1, 1), 1, 4, 4, seed=0)
-    merge.commit(wh, [tmpl])
-    entries = len(store.read_manifest(wh)["entries"])
-    print(f"{'entries':>8s} {'commit s':>9s} {'manifest MB':>12s} {'views.sql KB':>13s} {'SELECT 1 s':>11s} (CPU s over the imports)")
-    batch = 100
-    while entries < n:
-        goal = next(m for m in marks if m > entries)
-        while entries < goal - 1:  # many entries per commit to get there (each commit: one checkpoint's tiny partial)
-            k = min(batch, goal - 1 - entries)
-            merge.commit(wh, [{**tmpl, "key": store.entry_key("data", "bench", f"c{entries + i}", "s", "1-of-1"),
-                               "checkpoint": f"c{entries + i}"} for i in range(k)])
-            entries = len(store.read_manifest(wh)["entries"])
-        t0 = time.perf_counter()  # one ordinary commit at this size
-        e = write_partial(wh, "bench", f"x{entries}", 0, "s", (1, 1), 1, 4, 4, seed=entries)
+    print(f"{'entries':>8s} {'commit s':>9s} {'manifest MB':>12s} {'runs KB':>8s} {'views.sql KB':>13s} "
+          f"{'record KB':>10s} {'SELECT 1 s':>11s} (CPU s over the imports)")
+    for i, goal in enumerate(marks):
+        while True:
+            seq, manifest = store.read_state(wh)
+            have = len(manifest["entries"])
+            if have >= goal - 3:
+                break
+            k = min(1000, goal - 3 - have)
+            fill = [{**vocab, "key": store.entry_key("params", "bench", f"c{have + j}"), "checkpoint": f"c{have + j}"}
+                    for j in range(k)]
+            assert store.publish(wh, seq, manifest, fill) is not None
+        t0 = time.perf_counter()  # one ordinary commit at this size: params + data + 2 merged entries
+        e = write_partial(wh, "bench", f"x{i}", 0, "s", (1, 1), 1, 4, 4, seed=i)
         merge.commit(wh, [e])
+        refresh_companions(wh)
         sec = time.perf_counter() - t0
-        entries = len(store.read_manifest(wh)["entries"])
+        seq, manifest = store.read_state(wh)
+        rec = max((wh / "_log").iterdir(), key=lambda q: q.stat().st_mtime)
         s1 = time_sql(wh, "SELECT 1", repeat=1)[1] - imports[1]
-        print(f"{entries:8d} {sec:9.2f} {(wh / store.MANIFEST).stat().st_size / 1e6:12.2f} "
-              f"{(wh / store.VIEWS_FILE).stat().st_size / 1e3:13.1f} {s1:11.2f}", flush=True)
+        print(f"{len(manifest['entries']):8d} {sec:9.2f} {(wh / store.MANIFEST).stat().st_size / 1e6:12.2f} "
+              f"{(wh / store.RUNS_FILE).stat().st_size / 1e3:8.1f} {(wh / store.VIEWS_FILE).stat().st_size / 1e3:13.1f} "
+              f"{rec.stat().st_size / 1e3:10.1f} {s1:11.2f}", flush=True)
 
 
 def main() -> None:
