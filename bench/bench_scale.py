@@ -299,6 +299,47 @@ def bench_metadata(base: Path, n: int) -> None:
               f"{rec.stat().st_size / 1e3:10.1f} {s1:11.2f}", flush=True)
 
 
+PYTHIA = {  # hidden size, layer indices (embedding output + blocks + final norm), vocabulary (embedding rows)
+    "70m": (512, 8, 50_304), "160m": (768, 14, 50_304), "410m": (1024, 26, 50_304), "1b": (2048, 18, 50_304),
+    "1.4b": (2048, 26, 50_304), "2.8b": (2560, 34, 50_304), "6.9b": (4096, 34, 50_432), "12b": (5120, 38, 50_688),
+}
+
+
+def project(spec: str, sources: int = 8, checkpoints: int = 21, types: int = 50_000, ranks: int = 8) -> None:
+    """The paper's sweep (Pythia 70M … 12B × `checkpoints` × `sources`) from measured rates, given as
+    commit_ratio=R (a commit's rchar+wchar ÷ its partial's bytes, onto an existing group),
+    commit_s_per_gb=C (commit seconds per GB of that I/O), write_s_per_gb=W, rest_b_per_cell=B (bytes per
+    (layer, token type) of a compacted checkpoint).  A partial: `types` token types × layers × d float32
+    + the moments (layers × d² float64); the fold state: float64 vectors (2× the token part) per source
+    group and for `all`."""
+    r = {k: float(v) for k, v in (x.split("=") for x in spec.split(","))}
+    print(f"projection: {sources} sources × {checkpoints} checkpoints, {types} token types per source, "
+          f"torchrun on {ranks} GPUs; rates {spec}")
+    print(f"{'model':>6s} {'partial GB':>10s} {'ckpt partials GB':>16s} {'state GB':>9s} {'peak GB':>8s} "
+          f"{'rest/ckpt GB':>12s} {'rest sweep GB':>13s} {'commit I/O TB/ckpt now':>22s} {'…before reduce':>15s} "
+          f"{'target':>8s} {'write+commit h/ckpt now':>23s} {'target h':>9s}")
+    total = {"peak": 0.0, "rest": 0.0}
+    for name, (d, L, V) in PYTHIA.items():
+        tok = types * L * 4 * d
+        part = (tok + L * d * d * 8) / 1e9  # GB
+        state = (sources + 1) * 2 * tok / 1e9  # float64 fold state of every source group and `all`
+        ckpt = sources * part
+        rest = r["rest_b_per_cell"] * L * types * (sources + 1) / 1e9  # the sources' groups and `all`
+        io_now = sources * r["commit_ratio"] * part / 1e3  # TB: one reduced partial per source
+        io_before = ranks * io_now  # each rank its own (nearly full-vocabulary) partial and fold
+        io_target = 4 * ckpt / 1e3
+        hours_now = (sources * part * r["write_s_per_gb"] + io_now * 1e3 * r["commit_s_per_gb"]) / 3600
+        hours_target = (sources * part * r["write_s_per_gb"] + io_target * 1e3 * r["commit_s_per_gb"]) / 3600
+        total["rest"] += checkpoints * rest  # models in this order, each compacted checkpoint by checkpoint
+        peak = ckpt + state + total["rest"]  # the model's last checkpoint open, everything before compacted
+        total["peak"] = max(total["peak"], peak)
+        print(f"{name:>6s} {part:10.1f} {ckpt:16.1f} {state:9.1f} {peak:8.1f} {rest:12.2f} {checkpoints * rest:13.1f} "
+              f"{io_now:22.2f} {io_before:15.2f} {io_target:8.2f} {hours_now:23.1f} {hours_target:9.1f}")
+    print(f"whole sweep at rest (compacted): {total['rest']:.0f} GB; disk peak (12b's last checkpoint open, "
+          f"every other compacted): {total['peak']:.0f} GB; without compaction the sweep keeps every "
+          f"checkpoint's partials and state")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d", type=int, default=2048)
@@ -314,8 +355,12 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="skip the write-path part")
     ap.add_argument("--startup", default="1,8,64,512", help="partial counts for the start-up part ('' : skip)")
     ap.add_argument("--metadata", type=int, default=0, help="grow the manifest to this many entries (0: skip)")
+    ap.add_argument("--project", default="", help="print the paper sweep's projection from measured rates "
+                    "(commit_ratio=…,commit_s_per_gb=…,write_s_per_gb=…,rest_b_per_cell=…) and stop")
     ap.add_argument("--dir", type=Path, default=None, help="where to build (kept; default: a temporary directory, removed)")
     a = ap.parse_args()
+    if a.project:
+        return project(a.project)
     base = a.dir or Path(tempfile.mkdtemp(prefix="isoscale-"))
     base.mkdir(parents=True, exist_ok=True)
     print(f"{time.strftime('%Y-%m-%d')} bench_scale: {os.cpu_count()} CPUs; {' '.join(sys.argv[1:])}")
