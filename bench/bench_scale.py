@@ -307,7 +307,9 @@ PYTHIA = {  # hidden size, layer indices (embedding output + blocks + final norm
 
 def project(spec: str, sources: int = 8, checkpoints: int = 21, types: int = 50_000, ranks: int = 8) -> None:
     """The paper's sweep (Pythia 70M … 12B × `checkpoints` × `sources`) from measured rates, given as
-    commit_ratio=R (a commit's rchar+wchar ÷ its partial's bytes, onto an existing group),
+    commit_ratio=R (a commit's rchar+wchar ÷ its partial's bytes when it starts its source group and
+    folds into `all`: one reduced partial per source), shard_ratio=S (the same for a commit onto an existing
+    source group: what each rank's own partial cost before the reduce),
     commit_s_per_gb=C (commit seconds per GB of that I/O), write_s_per_gb=W, rest_b_per_cell=B (bytes per
     (layer, token type) of a compacted checkpoint).  A partial: `types` token types × layers × d float32
     + the moments (layers × d² float64); the fold state: float64 vectors (2× the token part) per source
@@ -326,7 +328,7 @@ def project(spec: str, sources: int = 8, checkpoints: int = 21, types: int = 50_
         ckpt = sources * part
         rest = r["rest_b_per_cell"] * L * types * (sources + 1) / 1e9  # the sources' groups and `all`
         io_now = sources * r["commit_ratio"] * part / 1e3  # TB: one reduced partial per source
-        io_before = ranks * io_now  # each rank its own (nearly full-vocabulary) partial and fold
+        io_before = ranks * sources * r["shard_ratio"] * part / 1e3  # each rank its own (nearly full-vocabulary) partial
         io_target = 4 * ckpt / 1e3
         hours_now = (sources * part * r["write_s_per_gb"] + io_now * 1e3 * r["commit_s_per_gb"]) / 3600
         hours_target = (sources * part * r["write_s_per_gb"] + io_target * 1e3 * r["commit_s_per_gb"]) / 3600
