@@ -80,22 +80,32 @@ def reduce_sources(workdir, sources):
     return {**sources, "split3": path}
 
 
-@pytest.mark.parametrize("nproc", [3])
-def test_torchrun_reduce_equals_one_process_exactly(workdir, reduce_sources, model_factory, nproc):
-    """Every accumulator reduced — token sums (ranks see different token types), layer sums, moments
-    and cross moments, per-window measures and massive activations, the bottom-k sample — and a
-    split value only one rank met: with float64-stored vectors every view equals one process to
-    1e-12 (n exact), one partial per (checkpoint, source)."""
+@pytest.fixture(scope="session")
+def reduce_one(workdir, reduce_sources, model_factory):
+    """One process over a plain source (moments, cross moments, per-window measures, a sample) and a
+    split source, with `--batch-size 1` (each window's forward is the same whatever the other windows),
+    float64-stored vectors and float64 moment products: what the ranks must equal to 1e-12."""
     model = model_factory("gpt_neox", tied=False)
-    args = ["--model", str(model), "--source", f"alpha={reduce_sources['alpha']}",
-            "--max-length", "32", "--batch-size", "1", "--moments", "--cross-moments", "--sequences",
-            "--sample", "40", "--vector-dtype", "float64", "--moments-precision", "float64"]
-    split = ["--model", str(model), "--source", f"pile={reduce_sources['split3']}", "--split-by", "meta.pile_set_name",
-             "--max-length", "32", "--batch-size", "1", "--sample", "40", "--vector-dtype", "float64", "--moments-precision", "float64"]
-    one, many = workdir / f"reduce-one-{nproc}", workdir / f"reduce-many-{nproc}"
-    for a in (args, split):
+    common = ["--model", str(model), "--max-length", "32", "--batch-size", "1", "--sample", "40",
+              "--vector-dtype", "float64", "--moments-precision", "float64"]
+    runs = [[*common, "--source", f"alpha={reduce_sources['alpha']}", "--moments", "--cross-moments", "--sequences"],
+            [*common, "--source", f"pile={reduce_sources['split3']}", "--split-by", "meta.pile_set_name"]]
+    one = workdir / "reduce-one"
+    for a in runs:
         code, _, err = run_cli("extract", *a, "--warehouse", one)
         assert code == 0, err
+    return runs, one
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_torchrun_reduce_equals_one_process_exactly(workdir, reduce_one, nproc):
+    """Every accumulator reduced — token sums (ranks see different token types), layer sums, moments
+    and cross moments, per-window measures and massive activations, the bottom-k sample — and a
+    split value only one rank met: every view equals one process to 1e-12 (n exact), one partial
+    per (checkpoint, source)."""
+    runs, one = reduce_one
+    many = workdir / f"reduce-many-{nproc}"
+    for a in runs:
         proc = torchrun(a, many, nproc=nproc)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert partials(many) == partials(one)
