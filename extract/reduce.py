@@ -56,6 +56,7 @@ class Reducer:
         self.spill_dir = spill_dir
         self.timeout_s = timeout_s or float(os.environ.get("ISO_REDUCE_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         self._open = False
+        self.range_rows: int | None = None  # token ids per reduced range (None: a 16 MB float64 block per rank)
 
     @property
     def writes(self) -> bool:
@@ -178,8 +179,8 @@ class Reducer:
         """The layer's token rows summed over the ranks, one token-id range at a time, appended to
         tmp/rows{layer}.npy (rank 0).  Returns the rows of each chunk written."""
         d, V = acc.d, acc.V
-        R = max(256, (16 << 20) // (8 * d))  # token ids per range: a 16 MB float64 block per rank
-        rows = _Ranged(acc.layer_rows(layer, R), d)
+        R = self.range_rows or max(256, (16 << 20) // (8 * d))  # token ids per range: 16 MB float64 per rank
+        rows = _Ranged(acc.layer_rows(layer), d)  # the accumulator's own chunks, cut at range ends
         written: list[int] = []
         f = open(tmp / f"rows{layer}.npy", "wb") if tmp is not None else None
         try:

@@ -141,3 +141,66 @@ def test_sweep_compacts_each_finished_checkpoint(workdir, sources, model_factory
     code, _, err = run_cli("extract", "--model", root, "--checkpoint", "step5", "--source", f"alpha={sources['alpha']}",
                            "--max-length", 32, "--batch-size", 2, "--shard", "1/2", "--warehouse", one)
     assert code == 2 and "compact" in err  # a compacted checkpoint takes no new partial
+
+
+def _reduce_worker(rank: int, world: int, store_path: str, out: str) -> None:
+    """One rank of an in-test gloo group: its synthetic sums (its own half of the vocabulary, chunks of
+    3 rows) reduced by ranges of 7 token ids; rank 0 saves what it would write."""
+    import torch.distributed as dist
+
+    from bench_scale import SyntheticSums
+    from extract.reduce import Reducer
+    from extract.run import SourceResult
+
+    class Small(SyntheticSums):
+        def layer_rows(self, layer, chunk_rows=None):
+            return super().layer_rows(layer, 3)
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    red = Reducer(rank, world, "cpu")
+    red._open, red.range_rows = True, 7
+    src = type("Src", (), {"name": "s", "split_value": None})()
+    acc = Small(3, 50, 4, seed=rank, types=0.5, moments=True)
+    got = red.reduce([(src, SourceResult("s", tokens=10 + rank), acc)], missing=None)
+    if rank == 0:
+        (_, result, r), = got
+        arrays = {"tokens": np.array(result.tokens), "sum_h": r.sum_h.numpy(), "n_mom": r.moments.n.numpy(),
+                  "s2": np.stack([r.moments.s2(i) for i in range(3)])}
+        for layer in range(3):
+            rows = list(r.layer_rows(layer))
+            arrays[f"ids{layer}"] = np.concatenate([x[0] for x in rows])
+            arrays[f"n{layer}"] = np.concatenate([x[1] for x in rows])
+            arrays[f"S{layer}"] = np.concatenate([x[2] for x in rows])
+        np.savez(out, **arrays)
+        r.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_by_token_ranges_equals_the_dense_sum(tmp_path, world):
+    """The reduce's arithmetic against the slow, obvious way: each rank holds its own random half of 50
+    token types (ranks see different types), yielded in chunks of 3 rows and reduced by ranges of 7 ids
+    (chunks and ranges misaligned); rank 0's rows equal the dense float64 sum over the ranks (ids
+    ascending, zero-count types left out, n exact), and so do Σh, the moments' n and Σhhᵀ."""
+    import torch.multiprocessing as mp
+
+    from bench_scale import SyntheticSums
+
+    out = tmp_path / "reduced.npz"
+    mp.spawn(_reduce_worker, args=(world, str(tmp_path / "store"), str(out)), nprocs=world)
+    got = np.load(out)
+    accs = [SyntheticSums(3, 50, 4, seed=r, types=0.5, moments=True) for r in range(world)]
+    assert int(got["tokens"]) == sum(10 + r for r in range(world))
+    for layer in range(3):
+        n, S = np.zeros(50, np.int64), np.zeros((50, 4))
+        for acc in accs:
+            for ids, cnt, rows in acc.layer_rows(layer, 3):
+                np.add.at(n, ids, cnt)
+                np.add.at(S, ids, rows)
+        keep = np.flatnonzero(n)
+        assert len(keep) > 25  # the ranks' types differ: the union is larger than each
+        assert got[f"ids{layer}"].tolist() == keep.tolist() and got[f"n{layer}"].tolist() == n[keep].tolist()
+        np.testing.assert_allclose(got[f"S{layer}"], S[keep], rtol=1e-15, atol=1e-15)
+    np.testing.assert_allclose(got["sum_h"], sum(a.sum_h.numpy() for a in accs), rtol=1e-15)
+    assert got["n_mom"].tolist() == sum(a.moments.n.numpy() for a in accs).tolist()
+    np.testing.assert_allclose(got["s2"], np.stack([sum(a.moments.s2(i) for a in accs) for i in range(3)]), rtol=1e-14)
