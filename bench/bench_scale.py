@@ -6,7 +6,8 @@ float64 sums in place of a model's: random, self-consistent, deterministic), the
 --no-compact), as `cli.py sweep` now does.  Per partial it prints the bytes written and read (this
 process's /proc/self/io: write_bytes/read_bytes — what reached the block layer — and wchar/rchar — what
 went through read()/write(), page cache included), the seconds and the peak RSS, for the write and for
-the commit separately; then the disk peak over the run and the warehouse's size at rest.
+the commit separately; then the disk peak (sampled after each write, commit and compaction) and the
+warehouse's size at rest.
 
 Then the start-up: `cli.py sql "SELECT 1"` and each figure view against the number of uncompacted
 partials (1, 8, 64, 512 tiny partials, written through the same writer, committed in one commit), beside
