@@ -1,9 +1,10 @@
 """Which shard and device this process takes, from the launcher that started it.
 
-* torchrun (torch.distributed.run): RANK, WORLD_SIZE, LOCAL_RANK → shard RANK+1 of WORLD_SIZE of
-  every source, device cuda:LOCAL_RANK (CPU when there is no GPU).  Ranks run independently and
-  each commits its own partial; a gloo process group is opened only for one barrier at the very
-  end (CPU tensors, whatever the device), so the job ends when every rank has committed.
+* torchrun (torch.distributed.run): RANK, WORLD_SIZE, LOCAL_RANK → each rank reads documents
+  RANK+1 of WORLD_SIZE of every source (of its --shard I/N if one is given: I + N·RANK of
+  N·WORLD_SIZE) on device cuda:LOCAL_RANK (CPU when there is no GPU); the ranks add their sums with
+  collectives (extract/reduce.py: NCCL on GPUs, gloo on the CPU) and rank 0 alone writes and
+  commits one partial per (checkpoint, source), labelled with the job's whole share (1/1, or I/N).
 * Slurm job arrays: SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_COUNT (and SLURM_ARRAY_TASK_MIN) → shard
   ID − MIN + 1 of COUNT.  A re-submitted array with --skip-done skips the finished units.
 * Otherwise one process: shard 1/1.
@@ -13,7 +14,6 @@ An explicit --shard always wins over the environment.
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 from dataclasses import dataclass
 
@@ -27,6 +27,7 @@ class Launch:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    reads: tuple[int, int] | None = None  # the documents this process reads, where not `shard` (a torchrun rank)
 
     @property
     def distributed(self) -> bool:
@@ -43,13 +44,15 @@ def _int(env: dict, name: str) -> int:
 def detect(shard: tuple[int, int] | None, env: dict | None = None) -> Launch:
     """The shard of this process: --shard if given, else torchrun's rank, else the Slurm array task."""
     env = os.environ if env is None else env
-    if shard is not None:
-        return Launch(shard, "explicit")
     if "WORLD_SIZE" in env and "RANK" in env and "LOCAL_RANK" in env:
         rank, world, local = _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK")
         if not 0 <= rank < world:
             raise UserError(f"RANK={rank} is outside WORLD_SIZE={world}")
-        return Launch((rank + 1, world), "torchrun", rank, world, local)
+        if world > 1:  # documents ≡ I − 1 (mod N) are those ≡ I − 1 + N·r (mod N·W) over the W ranks r
+            i, n = shard or (1, 1)
+            return Launch((i, n), "torchrun", rank, world, local, reads=(i + n * rank, n * world))
+    if shard is not None:
+        return Launch(shard, "explicit")
     if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
         task, count = _int(env, "SLURM_ARRAY_TASK_ID"), _int(env, "SLURM_ARRAY_TASK_COUNT")
         first = _int(env, "SLURM_ARRAY_TASK_MIN") if "SLURM_ARRAY_TASK_MIN" in env else 0
@@ -72,14 +75,22 @@ def device_for(launch: Launch, device: str | None, cuda_available: bool) -> str:
     return f"cuda:{launch.local_rank}" if launch.distributed else "cuda"
 
 
-def finish(launch: Launch, timeout_s: float = 3600.0) -> None:
-    """Under torchrun: wait until every rank has committed (one barrier, the only collective)."""
+def reducer_for(launch: Launch, device: str, spill_dir: str | None = None):
+    """The collectives of a torchrun job (extract/reduce.py), None for one process."""
+    if not launch.distributed:
+        return None
+    from extract.reduce import Reducer
+
+    return Reducer(launch.rank, launch.world_size, device, spill_dir)
+
+
+def finish(launch: Launch, reducer=None) -> None:
+    """Under torchrun: wait until rank 0 has committed (a barrier), then close the process group."""
     if not launch.distributed:
         return
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", timeout=_dt.timedelta(seconds=timeout_s))
+    if reducer is None:
+        reducer = reducer_for(launch, "cpu")
     try:
-        dist.barrier()
+        reducer.barrier()
     finally:
-        dist.destroy_process_group()
+        reducer.close()

@@ -100,7 +100,7 @@ def make_settings(o: dict, launch: Launch, cuda_available: bool):
     budget = parse_bytes(o["memory_budget"], "--memory-budget") if o["memory_budget"] is not None else None
     return Settings(unit=o["unit"], max_length=o["max_length"], max_tokens=o["max_tokens"],
                     batch_size=o["batch_size"], batch_tokens=o["batch_tokens"], device=device, dtype=dtype,
-                    shard=launch.shard, vector_dtype=o["vector_dtype"], trust_remote_code=o["trust_remote_code"],
+                    shard=launch.shard, read_shard=launch.reads, vector_dtype=o["vector_dtype"], trust_remote_code=o["trust_remote_code"],
                     params_only=o["params_only"], accumulator_device=o["accumulator_device"],
                     skip_done=o["skip_done"], moments=o["moments"], cross_moments=o["cross_moments"],
                     moments_precision=precision,

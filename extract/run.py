@@ -69,6 +69,7 @@ class Settings:
     spill_dir: str | None = None  # where sums beyond the budget are spilled (default: the system's temp dir)
     modules: dict = field(default_factory=dict)  # --module ROLE=PATH overrides of the discovered layout
     split_limit: int = 64  # a split source: at most this many distinct values (each holds its own sums)
+    read_shard: tuple[int, int] | None = None  # the documents read, where not `shard` (a rank of a reducing torchrun job)
 
 
 # Settings that change a run's numbers: a finished run with the same ones can be kept (--skip-done).
@@ -443,7 +444,7 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
         salt = source_salt(source.name)
         stats = ReadStats()
         splitter = SentenceSplitter() if settings.unit == "sentence" else None
-        texts = indexed_documents(source, settings.shard, stats)
+        texts = indexed_documents(source, settings.read_shard or settings.shard, stats)
         bar = _bar(loaded, source.name, settings)
         forward = base_forward(loaded, settings)
         start = time.perf_counter()
@@ -525,7 +526,7 @@ def accumulate_split(loaded: Loaded, source: Source, settings: Settings) -> list
     bar = _bar(loaded, f"{source.name} (split by {source.split_by})", settings)
     try:
         with torch.inference_mode(), capture_layers(loaded.model, loaded.layout, add):
-            for index, value, text in split_documents(source, settings.shard, stats):
+            for index, value, text in split_documents(source, settings.read_shard or settings.shard, stats):
                 part = parts.get(value) or part_of(value)
                 if part.windower.exhausted:  # --max-tokens of this value reached
                     if wanted is not None and len(parts) == len(wanted) and \
@@ -740,6 +741,7 @@ def _entry(kind: str, loaded: Loaded, run_id: str, files: dict, settings: Settin
     shard = f"{settings.shard[0]}-of-{settings.shard[1]}" if source else None
     s = asdict(settings)
     s["shard"] = shard
+    s.pop("read_shard")  # how a job divided its share among its ranks is not a setting of the result
     s["pile_set"] = source.pile_set if source else None
     s["split_by"] = source.split_by if source else None
     s["split_value"] = source.split_value if source else None
@@ -780,11 +782,14 @@ def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settin
 
 
 def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
-            settings: Settings, log=print, prints: dict[str, str] | None = None, loader=None) -> list[SourceResult]:
+            settings: Settings, log=print, prints: dict[str, str] | None = None, loader=None, reducer=None,
+            compact: bool = False) -> list[SourceResult]:
     """Every checkpoint over every source, one commit per checkpoint.  `prints`: the sources' data
     fingerprints where the caller has them already (a sweep's plan), so no file is hashed twice.
     `loader(ref, checkpoint)`: a `Loaded` instead of `load` (an in-memory model, extract/api.py),
-    run in its own dtype and device (not cast)."""
+    run in its own dtype and device (not cast).  `reducer` (extract/reduce.py, a rank of a torchrun
+    job): the ranks' sums are added before the write, and only rank 0 writes and commits.  `compact`:
+    each checkpoint is compacted after its commit (`cli.py compact`; it then takes no new partial)."""
     root = open_storage(root)  # a directory or s3://bucket/prefix; S3 is probed here, before any model loads
     limit_malloc_arenas()
     dtype = DTYPES[settings.dtype]
@@ -799,7 +804,11 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
             manifest = store.read_manifest(root)
             todo = [s for s in sources if not _done(manifest, ref, checkpoint, s, settings, prints[s.name])]
             params_key = store.entry_key("params", ref.name, checkpoint)
-            if not todo and params_key in manifest["entries"]:
+            skip = not todo and params_key in manifest["entries"]
+            if reducer is not None:  # every rank runs what rank 0 runs
+                names, skip = reducer.agree(([s.name for s in todo], skip))
+                todo = [s for s in sources if s.name in names]
+            if skip:
                 log(f"{ref.name}@{checkpoint}: already in the warehouse with these settings; skipped")
                 continue
         if not settings.params_only:
@@ -825,8 +834,8 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         done_here = 0  # results of this checkpoint (a split source gives one per value)
         try:
             t = time.perf_counter()
-            if params_kept(manifest, loaded, prov):
-                spent["parameter tables (kept)"] = 0.0
+            if params_kept(manifest, loaded, prov) or (reducer is not None and not reducer.writes):
+                spent["parameter tables (kept)" if reducer is None or reducer.writes else "parameter tables (rank 0)"] = 0.0
             else:
                 params_files = write_params(root, loaded, run_id)
                 spent["parameter tables"] = time.perf_counter() - t
@@ -841,6 +850,14 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                 else:
                     parts = [(p.source, p.result, p.acc) for p in accumulate_split(loaded, source, settings)]
                 release_memory()  # the forward's freed temporaries, before the write allocates
+                if reducer is not None:  # the job's sums, on rank 0 ([] on the others)
+                    t = time.perf_counter()
+                    parts = reducer.reduce(parts, lambda name, value, source=source: (
+                        split_source(source, value) if value is not None else source, SourceResult(name),
+                        new_accumulator(loaded, settings, memory_budget(settings))))
+                    spent["reduce"] = spent.get("reduce", 0.0) + time.perf_counter() - t
+                    if not parts:
+                        continue
                 try:
                     if sum(r.tokens for _, r, _ in parts) == 0:
                         raise UserError(f"--source {source.name}: {source.describe()}: no tokens to process "
@@ -885,7 +902,12 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
             raise
         finally:
             del loaded
-        query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
+        if compact and (reducer is None or reducer.writes) and any(e["kind"] == "data" for e in entries):
+            t = time.perf_counter()
+            merge.compact(root, ref.name, checkpoint)
+            spent["compact"] = time.perf_counter() - t
+        if reducer is None or reducer.writes:
+            query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
         log(f"{ref.name}@{checkpoint}: {time.perf_counter() - t0:.1f} s: " +
             ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()))
         for r in results[len(results) - done_here:]:

@@ -46,7 +46,8 @@ else:  # pragma: no cover - Python 3.10
 
 # Keys of [settings] that the sweep's own structure gives.
 RESERVED = {"model": "models", "checkpoint": "checkpoints", "checkpoints": "checkpoints", "source": "[sources]",
-            "warehouse": "warehouse", "shard": "shards", "skip_done": "the sweep (always on)"}
+            "warehouse": "warehouse", "shard": "shards", "skip_done": "the sweep (always on)",
+            "compact": "the sweep (each finished checkpoint; `cli.py sweep --no-compact` keeps them open)"}
 TOP_KEYS = ("warehouse", "models", "checkpoints", "shards", "sources", "settings", "slurm")
 SLURM_KEYS = ("sbatch", "parallel", "python", "setup", "job_name")
 
@@ -363,18 +364,6 @@ def for_task(plan: list[Unit], task: int) -> Unit:
     return plan[task]
 
 
-def groups(plan: list[Unit]) -> list[tuple[str, tuple[int, int], list[str], list[str | None]]]:
-    """The plan as extract runs, one per (model, shard): its checkpoints and sources, in order."""
-    out: dict = {}
-    for u in plan:
-        g = out.setdefault((u.model, u.shard), ([], []))
-        if u.checkpoint not in g[0]:
-            g[0].append(u.checkpoint)
-        if u.source not in g[1]:
-            g[1].append(u.source)
-    return [(m, shard, c, s) for (m, shard), (c, s) in out.items()]
-
-
 def shard_settings(settings, shard: tuple[int, int]):
     return replace(settings, shard=shard)
 
@@ -459,8 +448,50 @@ def plan_lines(p: Planned) -> list[str]:
     return lines
 
 
-def run(p: Planned, log=print, task: int | None = None, expect_id: str | None = None):
-    """Run the units still to run (all of them, or unit `task` of a Slurm array); returns the results."""
+def by_checkpoint(plan: list[Unit]) -> dict[tuple[str, str], dict[tuple[int, int], list[str | None]]]:
+    """The plan's units by (model, checkpoint), then shard: the sources of each, in plan order."""
+    out: dict = {}
+    for u in plan:
+        names = out.setdefault((u.model, u.checkpoint), {}).setdefault(u.shard, [])
+        if u.source not in names:
+            names.append(u.source)
+    return out
+
+
+def compact_finished(p: Planned, log=print) -> int:
+    """Compact every (model, checkpoint) of the plan whose units are all done and that holds data and
+    is not compacted yet (`cli.py compact --model M --checkpoint C`); returns how many."""
+    from warehouse import merge, store
+    from warehouse.query import refresh_companions
+    from warehouse.storage import open_storage
+
+    st = open_storage(p.warehouse)
+    manifest = store.read_manifest(st)
+    finished = {}
+    for u in p.units:
+        key = (p.refs[u.model].name, u.checkpoint)
+        finished[key] = finished.get(key, True) and p.done[u.index] and u.source is not None
+    count = 0
+    for (model, checkpoint), complete in finished.items():
+        has_data = any(e["kind"] == "data" and e["model"] == model and e["checkpoint"] == checkpoint
+                       for e in manifest["entries"].values())
+        if complete and has_data and not merge.is_compacted(manifest, model, checkpoint):
+            res = merge.compact(st, model, checkpoint)
+            log(f"{model}@{checkpoint}: every unit in; compacted (token-level bytes {res['before']['bytes']} -> "
+                f"{res['after']['bytes']})")
+            count += 1
+    if count:
+        refresh_companions(st)
+    return count
+
+
+def run(p: Planned, log=print, task: int | None = None, expect_id: str | None = None, compact: bool = True):
+    """Run the units still to run (all of them, or unit `task` of a Slurm array); returns the results.
+    In this process (not `task`) the units run checkpoint by checkpoint (each shard's run of a checkpoint
+    loads it once for all its sources) and, with `compact`, each checkpoint is compacted as soon as all
+    its units are in — the sweep's disk then holds one checkpoint's partials plus the compacted history.
+    A Slurm task does not compact (it cannot know cheaply that the other tasks of its checkpoint are
+    done): after the array, `cli.py sweep FILE` (nothing left to run) compacts the finished checkpoints."""
     from extract.run import extract as run_extract
 
     if expect_id is not None and expect_id != p.id:
@@ -476,8 +507,16 @@ def run(p: Planned, log=print, task: int | None = None, expect_id: str | None = 
     if not p.done:
         p.mark_done()
     pending = [p.units[i] for i in p.todo()]
-    for model, shard, checkpoints, names in groups(pending):
-        srcs = [p.sources[n] for n in names if n is not None]
-        results += run_extract(p.refs[model], checkpoints, srcs, p.warehouse, shard_settings(p.settings, shard),
-                               log=log, prints=p.prints)
+    if compact:
+        compact_finished(p, log)  # checkpoints finished by an earlier run (or a Slurm array)
+    for (model, checkpoint), shards in by_checkpoint(pending).items():
+        for shard, names in shards.items():
+            srcs = [p.sources[n] for n in names if n is not None]
+            results += run_extract(p.refs[model], [checkpoint], srcs, p.warehouse, shard_settings(p.settings, shard),
+                                   log=log, prints=p.prints)
+        if compact:
+            for u in p.units:
+                if u.model == model and u.checkpoint == checkpoint:
+                    p.done[u.index] = True
+            compact_finished(p, log)
     return results

@@ -76,6 +76,7 @@ def extract(
     memory_budget: Optional[str] = typer.Option(None, help="Bytes the float64 token sums may hold (e.g. 512MB, 20GiB); beyond it they are spilled exactly to --spill-dir and merged at the end. Default: half the memory free on the accumulator's device."),
     spill_dir: Optional[Path] = typer.Option(None, help="Directory for spilled sums (default: the system's temp directory)."),
     module: Optional[List[str]] = typer.Option(None, "--module", help="ROLE=PATH: name a module where discovery is wrong (roles: embedding, blocks, final_norm, unembedding; PATH 'none' for none), e.g. --module final_norm=model.norm. Repeatable."),
+    compact: bool = typer.Option(False, "--compact", help="Compact each checkpoint right after its commit (as `cli.py compact`: the disk keeps the views' tables only; the checkpoint then takes no new partial, so give it only to the run that completes a checkpoint)."),
 ):
     """Run a model over text sources and store mergeable sums.
 
@@ -88,7 +89,7 @@ def extract(
     Example (one node, 8 GPUs, one shard per GPU): torchrun --standalone --nproc_per_node 8 cli.py extract --model pythia-1.4b --source pile=val.jsonl.zst
     """
     options = dict(locals())  # every option by name, before anything else is bound
-    from extract.launch import finish
+    from extract.launch import finish, reducer_for
     from extract.options import prepare
     from extract.run import extract as run_extract, summary_line
 
@@ -97,10 +98,12 @@ def extract(
         launch = job.launch
         start = time.perf_counter()
         tag = f"[rank {launch.rank} of {launch.world_size}] " if launch.distributed else ""
-        results = run_extract(job.ref, job.revisions, job.sources, warehouse, job.settings, log=lambda m: typer.echo(tag + m, err=True))
+        reducer = reducer_for(launch, job.settings.device, job.settings.spill_dir)  # torchrun: ranks add, rank 0 commits
+        results = run_extract(job.ref, job.revisions, job.sources, warehouse, job.settings, log=lambda m: typer.echo(tag + m, err=True),
+                              reducer=reducer, compact=compact)
         typer.echo(tag + summary_line(results, time.perf_counter() - start) +
                    f"; shard {launch.shard[0]}/{launch.shard[1]} ({launch.launcher}); warehouse: {warehouse}", err=True)
-        finish(launch)  # under torchrun: every rank has committed when this returns
+        finish(launch, reducer)  # under torchrun: rank 0 has committed when this returns
     except UserError as e:
         fail(str(e))
 
@@ -138,6 +141,7 @@ def sweep(
     task: Optional[int] = typer.Option(None, "--task", help="Run only unit N of the plan (what a Slurm array task runs)."),
     plan_id: Optional[str] = typer.Option(None, "--plan-id", help="With --task: refuse to run unless the file still gives this plan."),
     warehouse: Optional[str] = typer.Option(None, "--warehouse", "-w", help="Overrides the file's warehouse."),
+    compact: bool = typer.Option(True, "--compact/--no-compact", help="Compact each checkpoint once all its units are in (default; the disk then holds one checkpoint's partials plus the compacted history). --no-compact keeps them open for more partials."),
 ):
     """Run a sweep from a file: models × checkpoints × sources (× shards), resuming where it stopped.
 
@@ -189,7 +193,7 @@ def sweep(
         log = lambda m: typer.echo(m, err=True)  # noqa: E731
         if task is None:
             log(sw.plan_lines(p)[0])
-        results = sw.run(p, log=log, task=task, expect_id=plan_id)
+        results = sw.run(p, log=log, task=task, expect_id=plan_id, compact=compact)
         log(summary_line(results, time.perf_counter() - start) + f"; warehouse: {where}")
     except UserError as e:
         fail(str(e))

@@ -1,7 +1,8 @@
 """Fault injection for the reliability tests: `ISO_FAULT=point[:n]` kills the process with
 SIGKILL the n-th time (default 1st) execution reaches `point`.  Unset, `hit()` is one dict
 lookup.  Points: read, forward, write, close, merge (merged files written, manifest not yet),
-manifest, views, gc, compact, spill (between the layers of a spill run, extract/accumulate.py)."""
+manifest, views, gc, compact, spill (between the layers of a spill run, extract/accumulate.py), reduce (a
+torchrun rank, before its sums are reduced)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Past one process: torchrun ranks and Slurm array tasks take their shard from the environment,
-commit their own partials, and the warehouse equals the single-process one."""
+"""Past one process: torchrun ranks reduce their sums and commit one partial; Slurm array tasks take
+their shard from the environment and commit their own partials; the warehouse equals the
+single-process one."""
 
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ import sys
 import pytest
 
 from isotropy_warehouse.errors import UserError
-from conftest import ROOT, run_cli, same_numbers, views
+from conftest import ROOT, run_cli, same_numbers, same_rows, views
 from extract.launch import Launch, detect, device_for
 
 def test_detect_shard_from_the_environment():
     assert detect(None, {}) == Launch((1, 1), "single")
     assert detect((2, 3), {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}).shard == (2, 3)  # --shard wins
+    assert detect((2, 3), {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}) == Launch((2, 3), "explicit")
     t = detect(None, {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
-    assert t.shard == (4, 4) and t.distributed and t.local_rank == 1
+    assert t.shard == (1, 1) and t.reads == (4, 4) and t.distributed and t.local_rank == 1  # reduced: one partial
+    u = detect((2, 3), {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})  # docs ≡ 1 (mod 3) = ≡ 1, 4 (mod 6)
+    assert u.shard == (2, 3) and u.reads == (5, 6) and u.launcher == "torchrun"
     assert device_for(t, None, True) == "cuda:1" and device_for(t, None, False) == "cpu"
     assert device_for(t, "cuda", True) == "cuda:1" and device_for(t, "cpu", True) == "cpu"
     s = detect(None, {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "8", "SLURM_ARRAY_TASK_MIN": "0"})
@@ -31,34 +35,110 @@ def test_detect_shard_from_the_environment():
         detect(None, {"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
 
 
-def torchrun(args, wh, env_extra=None, timeout=600):
+def torchrun(args, wh, env_extra=None, timeout=600, nproc=2):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                            str(ROOT / "cli.py"), "extract", *args, "--warehouse", str(wh)],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
+def partials(wh) -> list[str]:
+    """The committed data partials: entry keys of kind data."""
+    import json
+
+    entries = json.loads((wh / "manifest.json").read_text())["entries"]
+    return sorted(k for k, e in entries.items() if e["kind"] == "data")
+
+
 def test_torchrun_two_cpu_ranks_equal_one_process(single, workdir):
+    """The ranks reduce their sums (gloo) and rank 0 commits one partial per (checkpoint, source),
+    labelled 1-of-1: the same partials as one process, every view equal (float32-stored vectors of
+    float64 sums added in another order: at most one float32 ulp apart)."""
     wh = workdir / "scale-torchrun"
     proc = torchrun(single["args"], wh)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[rank 0 of 2]" in proc.stderr and "[rank 1 of 2]" in proc.stderr
     got = views(wh)
-    assert got["shards"] == [("main", s, f"{i}-of-2") for s in ("alpha", "beta") for i in (1, 2)]
-    same_numbers(got, single["views"])
+    assert got["shards"] == [("main", s, "1-of-1") for s in ("alpha", "beta")]
+    assert partials(wh) == partials(single["wh"])
+    same_numbers(got, single["views"], tol=1e-6)
+
+
+@pytest.fixture(scope="session")
+def reduce_sources(workdir, sources):
+    """A split source whose value 'Rare' occurs only in document 1 (read by rank 1 of 2 or 3 ranks)."""
+    import json
+
+    import tiny
+    import zstandard
+
+    path = workdir / "sources" / "split3.jsonl.zst"
+    texts = tiny.corpus(18, seed=5)
+    lines = "".join(json.dumps({"text": t, "meta": {"pile_set_name": "Rare" if i == 1 else "AB"[i % 2]}}) + "\n"
+                    for i, t in enumerate(texts))
+    path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    return {**sources, "split3": path}
+
+
+@pytest.fixture(scope="session")
+def reduce_one(workdir, reduce_sources, model_factory):
+    """One process over a plain source (moments, cross moments, per-window measures, a sample) and a
+    split source, with `--batch-size 1` (each window's forward is the same whatever the other windows),
+    float64-stored vectors and float64 moment products: what the ranks must equal to 1e-12."""
+    model = model_factory("gpt_neox", tied=False)
+    common = ["--model", str(model), "--max-length", "32", "--batch-size", "1", "--sample", "40",
+              "--vector-dtype", "float64", "--moments-precision", "float64"]
+    runs = [[*common, "--source", f"alpha={reduce_sources['alpha']}", "--moments", "--cross-moments", "--sequences"],
+            [*common, "--source", f"pile={reduce_sources['split3']}", "--split-by", "meta.pile_set_name"]]
+    one = workdir / "reduce-one"
+    for a in runs:
+        code, _, err = run_cli("extract", *a, "--warehouse", one)
+        assert code == 0, err
+    return runs, one
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_torchrun_reduce_equals_one_process_exactly(workdir, reduce_one, nproc):
+    """Every accumulator reduced — token sums (ranks see different token types), layer sums, moments
+    and cross moments, per-window measures and massive activations, the bottom-k sample — and a
+    split value only one rank met: every view equals one process to 1e-12 (n exact), one partial
+    per (checkpoint, source)."""
+    runs, one = reduce_one
+    many = workdir / f"reduce-many-{nproc}"
+    for a in runs:
+        proc = torchrun(a, many, nproc=nproc)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert partials(many) == partials(one)
+    assert {s for _, s, _ in views(many)["shards"]} == {"alpha", "pile.A", "pile.B", "pile.Rare"}
+    got, want = views(many), views(one)
+    same_numbers(got, want, tol=1e-12)
+    from warehouse.query import connect
+
+    tables = {"token_sums": "layer, token_id, n, sum_sq", "layer_sums": "layer, n, sum_sq, windows, sum_abs, curv_sum",
+              "moments": "layer, n", "samples": "layer, key, document, position, token_id",
+              "massive": "layer, rank, abs_value, dim, token_id, document, position"}
+    a, b = connect(many), connect(one)
+    for table, cols in tables.items():
+        q = f"SELECT source, {cols} FROM {table} ORDER BY ALL"
+        rows = a.execute(q).fetchall()
+        assert rows, table
+        same_rows(rows, b.execute(q).fetchall(), table, 1e-12)
+    q = "SELECT source, layer, list_sum(vec), list_sum(list_transform(vec, lambda x: x * x)) FROM samples ORDER BY ALL"
+    same_rows(a.execute(q).fetchall(), b.execute(q).fetchall(), "samples vec", 1e-12)
 
 
 def test_torchrun_rank_killed_then_rerun_counts_once(single, workdir):
     wh = workdir / "scale-torchrun-kill"
-    proc = torchrun(single["args"], wh, {"ISO_FAULT": "close:2", "ISO_FAULT_RANK": "1"})  # rank 1 dies mid-write
+    proc = torchrun(single["args"], wh, {"ISO_FAULT": "reduce:2", "ISO_FAULT_RANK": "1"})  # rank 1 dies before beta's reduce
     assert proc.returncode != 0
+    assert not (wh / "manifest.json").exists() or partials(wh) == []  # nothing committed
     proc = torchrun(single["args"], wh)  # the same command again
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = views(wh)
-    assert got["shards"] == [("main", s, f"{i}-of-2") for s in ("alpha", "beta") for i in (1, 2)]
+    assert got["shards"] == [("main", s, "1-of-1") for s in ("alpha", "beta")]
     same_numbers(got, single["views"])
     code, out, _ = run_cli("validate", "--warehouse", wh)
-    assert code == 1 and "not listed in the manifest" in out  # the killed rank's files: never visible
+    assert code == 1 and "not listed in the manifest" in out  # rank 0's parameter tables: never visible
     assert run_cli("validate", "--warehouse", wh, "--fix")[0] == 0
     assert run_cli("validate", "--warehouse", wh)[0] == 0
 

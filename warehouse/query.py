@@ -102,14 +102,34 @@ def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
+_WIDTHS = {"float16": 0, "float32": 1, "float64": 2}
+
+
+def _stored_dtype(entry: dict) -> str:
+    """The dtype of an entry's token vectors: --vector-dtype, float32 where float16 would overflow
+    (the entry's stats say what was stored)."""
+    return entry.get("stats", {}).get("vector_dtype") or entry.get("settings", {}).get("vector_dtype") or "float32"
+
+
+def _files(table: str, entries: list[dict]) -> list[str]:
+    """The table's files, sorted, except that for token_sums a file of the widest vector dtype comes
+    first: DuckDB binds a list of Parquet files by the first file's schema alone (reading one footer,
+    whatever the number of partials) and casts the others to it, so the first must be the widest
+    (float16 and float32 → float64 are exact).  `union_by_name` would read every footer when the
+    views are created (+0.4 s at 512 tiny partials, more with a large model's footers)."""
+    files = sorted(e["files"][table] for e in entries)
+    if table == "token_sums" and files:
+        widest = max(entries, key=lambda e: (_WIDTHS.get(_stored_dtype(e), 1), e["files"][table]))["files"][table]
+        files.remove(widest)
+        files.insert(0, widest)
+    return files
+
+
 def _vector_schema(table: str, arrow_schema, entries: list[dict]):
-    """token_sums' vec is float16/32/64 by --vector-dtype (float32 where float16 would overflow: the
-    entry's stats say what was stored): the widest the files hold."""
+    """token_sums' vec is float16/32/64 by --vector-dtype: the widest the files hold."""
     if table != "token_sums":
         return arrow_schema
-    widths = {"float16": 0, "float32": 1, "float64": 2}
-    widest = max((e.get("stats", {}).get("vector_dtype") or e.get("settings", {}).get("vector_dtype") or "float32"
-                  for e in entries), key=widths.get)
+    widest = max((_stored_dtype(e) for e in entries), key=_WIDTHS.get)
     i = arrow_schema.get_field_index("vec")
     return arrow_schema.set(i, arrow_schema.field(i).with_type(schema.vector_type(widest)))
 
@@ -123,17 +143,16 @@ def base_view_sql(root, manifest: dict, con: duckdb.DuckDBPyConnection | None = 
     statements = []
     for table, arrow_schema in schema.TABLES.items():
         entries = [e for e in manifest["entries"].values() if table in e["files"]]
-        files = sorted(e["files"][table] for e in entries)
+        files = _files(table, entries)
         cols = ", ".join(f'"{f.name}"' for f in arrow_schema)
-        if files and via_arrow:
-            con.register(f"_files_{table}", ds.dataset(
+        if files and via_arrow:  # paths and schema given: no file is opened or listed until a query reads it
+            con.register(f"_files_{table}", ds.FileSystemDataset.from_paths(
                 [st.path(f) for f in files], schema=_vector_schema(table, arrow_schema, entries),
-                format="parquet", filesystem=st.fs))
+                format=ds.ParquetFileFormat(), filesystem=st.fs))
             src = f"SELECT {cols} FROM _files_{table}"
         elif files:
             file_list = "[" + ", ".join(_sql_str(st.uri(f)) for f in files) + "]"
-            union = ", union_by_name = true" if table == "token_sums" else ""
-            src = f"SELECT {cols} FROM read_parquet({file_list}, hive_partitioning = false{union})"
+            src = f"SELECT {cols} FROM read_parquet({file_list}, hive_partitioning = false)"
         else:
             src = "SELECT " + ", ".join(
                 f'CAST(NULL AS {schema.duckdb_type(f.type)}) AS "{f.name}"' for f in arrow_schema
