@@ -140,7 +140,12 @@ class Reducer:
                 if self.writes:
                     for key in stats[0]:
                         vals = [s[key] for s in stats]
-                        setattr(result, key, max(vals) if key in ("seconds", "accumulator_peak_bytes") else sum(vals))
+                        if isinstance(vals[0], dict):  # the code paths taken: one value where the ranks agree
+                            keys = sorted({k for v in vals for k in v})
+                            value = {k: "; ".join(sorted({str(v[k]) for v in vals if k in v})) for k in keys}
+                        else:
+                            value = max(vals) if key in ("seconds", "accumulator_peak_bytes") else sum(vals)
+                        setattr(result, key, value)
                     out.append((sub, result, reduced))
         except BaseException:
             for _, _, r in out:
