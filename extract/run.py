@@ -34,7 +34,7 @@ from .sequences import WindowMeasures
 from . import architectures as architectures_module, params as params_module
 from .architectures import get_module
 from .hooks import capture_layers, layer_kinds
-from .models import DTYPES, Loaded, ModelRef, check_dtype, forward_kwargs, load, to_compute
+from .models import DTYPES, Loaded, ModelRef, check_dtype, forward_kwargs, load, model_identity, to_compute
 from .memory import available_memory, limit_malloc_arenas, release_memory
 from .params import norm_table, partition_table, vocab_table
 from .sources import (ReadStats, SentenceSplitter, Source, fingerprint, indexed_documents, position_keys, source_salt,
@@ -68,6 +68,7 @@ class Settings:
     spill_dir: str | None = None  # where sums beyond the budget are spilled (default: the system's temp dir)
     modules: dict = field(default_factory=dict)  # --module ROLE=PATH overrides of the discovered layout
     split_limit: int = 64  # a split source: at most this many distinct values (each holds its own sums)
+    replace: bool = False  # drop committed partials this run conflicts with (merge.replacements) instead of refusing
 
 
 # Settings that change a run's numbers: a finished run with the same ones can be kept (--skip-done).
@@ -758,6 +759,31 @@ def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settin
     return False
 
 
+def check_coverage(root, ref: ModelRef, checkpoint: str, sources: list[Source], settings: Settings,
+                   prints: dict[str, str], identity: str | None) -> None:
+    """Before any forward pass: what `merge.commit` would refuse for these sources' partials (an
+    overlapping shard, another version of a source file, other weights under this name), unless
+    --replace.  A split source's partials are named by values not read yet: the committed values of
+    that split stand for them."""
+    if settings.replace:
+        return
+    manifest = store.read_manifest(root)
+    shard = f"{settings.shard[0]}-of-{settings.shard[1]}"
+    prov = {"model_identity": identity}
+    probes = [{"key": store.entry_key("params", ref.name, checkpoint), "kind": "params", "model": ref.name,
+               "checkpoint": checkpoint, "source": None, "shard": None, "provenance": prov}]
+    for source in sources:
+        names = [source.name] if source.split_by is None else sorted(
+            {e["source"] for e in manifest["entries"].values() if e["kind"] == "data" and e["model"] == ref.name
+             and e["checkpoint"] == checkpoint and (e["source"] or "").startswith(source.name + ".")
+             and e["settings"].get("split_by") == source.split_by})
+        for name in names:
+            probes.append({"key": store.entry_key("data", ref.name, checkpoint, name, shard), "kind": "data",
+                           "model": ref.name, "checkpoint": checkpoint, "source": name, "shard": shard,
+                           "provenance": {**prov, "source_fingerprint": prints.get(source.name)}})
+    merge.check_conflicts(manifest, probes)
+
+
 def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
             settings: Settings, log=print, prints: dict[str, str] | None = None) -> list[SourceResult]:
     """Every checkpoint over every source, one commit per checkpoint.  `prints`: the sources' data
@@ -779,10 +805,15 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
             if not todo and params_key in manifest["entries"]:
                 log(f"{ref.name}@{checkpoint}: already in the warehouse with these settings; skipped")
                 continue
+        identity = model_identity(ref, checkpoint)  # a local directory's weights: known before loading
         if not settings.params_only:
             merge.check_open(store.read_manifest(root), ref.name, checkpoint)  # before hours of forward passes
+        check_coverage(root, ref, checkpoint, [] if settings.params_only else todo, settings, prints, identity)
         t0 = time.perf_counter()
         loaded = load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code, settings.modules)
+        if identity is None and loaded.revision_hash:  # a hub model: its commit, known once loaded
+            identity = model_identity(ref, checkpoint, loaded.revision_hash)
+            check_coverage(root, ref, checkpoint, [] if settings.params_only else todo, settings, prints, identity)
         spent = {"load": time.perf_counter() - t0}  # seconds of each phase, logged per checkpoint
         if settings.max_length is not None and settings.max_length > loaded.context:
             raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
@@ -791,7 +822,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         store.check_compatible(manifest, ref.name, d)
         run_id = store.new_run_id()
         prov = {**base_prov, "model_revision": loaded.revision_hash or checkpoint,
-                "weights": loaded.weights_id, "params_code": PARAMS_CODE,
+                "weights": loaded.weights_id, "model_identity": identity, "params_code": PARAMS_CODE,
                 "layout": loaded.layout.describe(),
                 "special_tokens": {"prefix": list(loaded.prefix), "suffix": list(loaded.suffix),
                                    "counted": settings.special_tokens},
@@ -849,7 +880,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                 done_here += len(parts)
             t = time.perf_counter()
             if entries:  # nothing when the parameter tables were kept and no source was left
-                merge.commit(root, entries)  # the partials and their merged tables, in one manifest write
+                merge.commit(root, entries, replace=settings.replace)  # partials + merged tables, one record
             spent["commit"] = time.perf_counter() - t
         except BaseException:
             committed = merge.committed_files(root, entries)

@@ -75,6 +75,8 @@ def extract(
     special_tokens: bool = typer.Option(False, "--count-special-tokens/--no-count-special-tokens", help="Also count the positions of the special tokens the tokenizer adds (BOS, [CLS], [SEP]: attention sinks); by default they are fed but not counted."),
     memory_budget: Optional[str] = typer.Option(None, help="Bytes the float64 token sums may hold (e.g. 512MB, 20GiB); beyond it they are spilled exactly to --spill-dir and merged at the end. Default: half the memory free on the accumulator's device."),
     spill_dir: Optional[Path] = typer.Option(None, help="Directory for spilled sums (default: the system's temp directory)."),
+    name: Optional[str] = typer.Option(None, "--name", help="The model's name in the warehouse (default: the directory's name, the hub id or the alias). Two different weights under one name are refused: name one of them."),
+    replace: bool = typer.Option(False, "--replace", help="Drop committed partials this run conflicts with instead of refusing: shards of its sources that overlap its shard without being covered by it (a new sharding), shards of another version of a source file, and whatever holds other weights under this model name and checkpoint (docs/extract.md, 'Shards and identity')."),
     module: Optional[List[str]] = typer.Option(None, "--module", help="ROLE=PATH: name a module where discovery is wrong (roles: embedding, blocks, final_norm, unembedding; PATH 'none' for none), e.g. --module final_norm=model.norm. Repeatable."),
 ):
     """Run a model over text sources and store mergeable sums.
@@ -213,11 +215,12 @@ def sql(
     """
     import duckdb
 
-    from warehouse.query import connect
+    from warehouse.query import check_read_only, connect
 
     if format not in ("table", "csv", "json"):
         fail(f"--format {format!r}: expected table, csv or json")
     try:
+        check_read_only(query)  # a query cannot write, attach, install or load (the connection is locked too)
         con = connect(warehouse)
         cur = con.execute(query)
         if cur.description is None:
