@@ -297,6 +297,9 @@ def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
         raise UserError(
             f"tokenizer of {ref.location!r} has {len(tokenizer)} tokens but the embedding has only {emb_rows} rows"
         )
+    if not tokenizer("The cat sat on the mat.", add_special_tokens=False)["input_ids"]:
+        raise UserError(f"{where}: no usable tokenizer (it turns text into no tokens: tokenizer files such as "
+                        "tokenizer.json, vocab.json or tokenizer.model are missing)")
     prefix, suffix = special_template(tokenizer)
     return Loaded(
         ref=ref, checkpoint=checkpoint, step=parse_step(checkpoint), layout=layout, model=model,

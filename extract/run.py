@@ -759,6 +759,54 @@ def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settin
     return False
 
 
+class Interrupted(Exception):
+    """SIGINT (Ctrl-C) during extract, with a line saying what was committed; the command line
+    prints it and exits 130."""
+
+
+def after_commit(root, what: str, exc: BaseException, log) -> None:
+    """A failure after the commit record was created: the data is in the warehouse.  What follows
+    the record (manifest.json, runs.parquet, views.sql: caches a query rewrites; removing replaced
+    files: orphans `validate --fix` removes) is not needed for correct answers, so a failure there
+    is a warning; an interrupt there ends the run, saying the commit landed."""
+    try:
+        generation = f"generation {store.read_state(root)[0]}"
+    except Exception:  # noqa: BLE001 - the line is what matters
+        generation = "its commit record"
+    if isinstance(exc, KeyboardInterrupt):
+        raise Interrupted(f"interrupted after {what} was committed ({generation}); its data is in the warehouse "
+                          "(views.sql, runs.parquet and manifest.json are rewritten by the next query)") from None
+    if not isinstance(exc, (OSError, UserError)):
+        raise exc
+    reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+    log(f"warning: {what} was committed ({generation}), but a step after its record failed ({reason}); "
+        "views.sql, runs.parquet and manifest.json are rewritten by the next query (or `cli.py views`), "
+        "left-over files are removed by `cli.py validate --fix`")
+
+
+def remove_empty_dirs(root, model: str, checkpoint: str) -> None:
+    """After a failed checkpoint: the partition folders of (model, checkpoint) that hold nothing (its
+    writers created them; their files were removed), bottom-up; folders with any file stay."""
+    import os
+    from urllib.parse import quote
+
+    if not getattr(root, "local", False):
+        return  # object stores have no folders
+    tables = Path(root.path("tables"))
+    if not tables.is_dir():
+        return
+    for table in tables.iterdir():
+        top = table / f"model={quote(model, safe='')}"
+        for folder, _, _ in os.walk(top / f"checkpoint={quote(checkpoint, safe='')}", topdown=False):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        for d in (top, table):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+    with contextlib.suppress(OSError):
+        os.rmdir(tables)
+
+
 def check_coverage(root, ref: ModelRef, checkpoint: str, sources: list[Source], settings: Settings,
                    prints: dict[str, str], identity: str | None) -> None:
     """Before any forward pass: what `merge.commit` would refuse for these sources' partials (an
@@ -882,16 +930,26 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
             if entries:  # nothing when the parameter tables were kept and no source was left
                 merge.commit(root, entries, replace=settings.replace)  # partials + merged tables, one record
             spent["commit"] = time.perf_counter() - t
-        except BaseException:
+        except BaseException as exc:
             committed = merge.committed_files(root, entries)
             for rel in written:  # files of a commit that did not happen (never of one that did)
                 if rel not in committed:
                     with contextlib.suppress(Exception):  # a storage fault: an orphan for validate --fix
                         root.delete(rel)
-            raise
+            if not (entries and committed >= {f for e in entries for f in e["files"].values()}):
+                remove_empty_dirs(root, ref.name, checkpoint)  # nothing of this checkpoint landed
+                if isinstance(exc, KeyboardInterrupt):
+                    raise Interrupted(f"interrupted: nothing of {ref.name}@{checkpoint} was committed" +
+                                      (f" ({len(results)} source(s) of earlier checkpoints were)" if results else "")
+                                      ) from None
+                raise
+            after_commit(root, f"{ref.name}@{checkpoint}", exc, log)  # the record landed: say so
         finally:
             del loaded
-        query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
+        try:
+            query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
+        except BaseException as exc:
+            after_commit(root, f"{ref.name}@{checkpoint}", exc, log)
         log(f"{ref.name}@{checkpoint}: {time.perf_counter() - t0:.1f} s: " +
             ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()))
         for r in results[len(results) - done_here:]:

@@ -90,10 +90,12 @@ def extract(
     Example (one node, 8 GPUs, one shard per GPU): torchrun --standalone --nproc_per_node 8 cli.py extract --model pythia-1.4b --source pile=val.jsonl.zst
     """
     options = dict(locals())  # every option by name, before anything else is bound
-    from extract.launch import finish
-    from extract.options import prepare
-    from extract.run import extract as run_extract, summary_line
-
+    try:
+        from extract.launch import finish
+        from extract.options import prepare
+        from extract.run import Interrupted, extract as run_extract, summary_line
+    except KeyboardInterrupt:
+        _interrupted("interrupted: nothing was committed")
     try:
         job = prepare(options)
         launch = job.launch
@@ -105,6 +107,23 @@ def extract(
         finish(launch)  # under torchrun: every rank has committed when this returns
     except UserError as e:
         fail(str(e))
+    except Interrupted as e:
+        _interrupted(str(e))
+    except KeyboardInterrupt:  # before the first checkpoint's work began (options, sources, model lookup)
+        _interrupted("interrupted: nothing was committed")
+
+
+def _interrupted(line: str) -> None:
+    """SIGINT: one line and exit 130, at once.  os._exit, not sys.exit: threads still inside native code
+    (torch's, the moments' worker) must not be unwound by interpreter shutdown, which could end in
+    "terminate called without an active exception" (rc 134).  The warehouse needs no cleanup here:
+    `extract` removed its uncommitted files before raising, and a commit is one record or none."""
+    import os
+
+    typer.echo(f"error: {line}", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _extract_specs() -> dict:
@@ -215,7 +234,7 @@ def sql(
     """
     import duckdb
 
-    from warehouse.query import check_read_only, connect
+    from warehouse.query import check_read_only, connect, duckdb_error_line
 
     if format not in ("table", "csv", "json"):
         fail(f"--format {format!r}: expected table, csv or json")
@@ -229,7 +248,7 @@ def sql(
     except UserError as e:
         fail(str(e))
     except duckdb.Error as e:
-        fail(" ".join(str(e).split()))
+        fail(duckdb_error_line(e))
     if format == "json":
         typer.echo(json.dumps([{c: _clean(v) for c, v in zip(cols, r)} for r in rows], default=str))
     elif format == "csv":

@@ -240,3 +240,123 @@ def test_python_sql_refuses_writes(wh, tmp_path):
         sql(f"COPY (SELECT 1) TO '{tmp_path}/x.csv'", wh)
     assert not (tmp_path / "x.csv").exists()
     assert sql("SELECT count(*) AS n FROM inter_sim", wh)["n"][0] > 0
+
+
+# ---------------------------------------------------------------- one line, not a traceback
+
+
+def test_report_with_a_missing_listed_file_is_one_line(model, sources, tmp_path):
+    wh = tmp_path / "wh"
+    assert extract(model, wh, source=f"alpha={sources['alpha']}")[0] == 0
+    next((wh / "tables" / "token_stats").rglob("*.parquet")).unlink()
+    for args in (("report", "--out", tmp_path / "rep"), ("sql", "SELECT * FROM intra_sim")):
+        line = one_line_error(*run_cli(*args, "--warehouse", wh)[::2])
+        assert "listed in the manifest but missing" in line and "token_stats" in line
+
+
+def _jsonl(path: Path, texts: list[str]) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def test_a_lone_surrogate_escape_is_one_line_or_counted(model, tmp_path):
+    src = tmp_path / "s.jsonl"
+    src.write_text('{"text": "a fine line of text"}\n{"text": "bad \\ud800 escape here"}\n{"text": "more text"}\n')
+    wh = tmp_path / "wh"
+    line = one_line_error(*extract(model, wh, source=f"s={src}")[::2])
+    assert f"{src}:2" in line and "surrogate" in line
+    assert not (wh / "_log").exists()
+    code, _, err = extract(model, wh, "--encoding-errors", "skip", source=f"s={src}")
+    assert code == 0, err
+    from warehouse.query import connect
+
+    con = connect(wh)
+    assert con.execute("SELECT documents, stats FROM runs WHERE kind = 'data'").fetchone()[0] == 2
+    con.close()
+
+
+def test_a_missing_tokenizer_is_named(model, sources, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in model.iterdir():
+        if f.name.endswith((".safetensors", "config.json")) and not f.name.startswith("tokenizer"):
+            shutil.copy(f, bare / f.name)
+    line = one_line_error(*extract(bare, tmp_path / "wh", source=f"alpha={sources['alpha']}")[::2])
+    assert "tokenizer" in line and "no tokens to process" not in line
+
+
+def test_a_text_column_that_is_not_text_is_named(model, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"text": [1, 2, 3]}), src)
+    line = one_line_error(*extract(model, tmp_path / "wh", source=f"n={src}")[::2])
+    assert "'text' holds int64, not text" in line
+
+
+# ---------------------------------------------------------------- signals and failures after the record
+
+
+def _cli(args, action=None, fault=None, timeout=300):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if fault:
+        env.update(ISO_FAULT=fault, ISO_FAULT_ACTION=action)
+    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def _args(model, sources, wh):
+    return ["extract", "--model", model, "--source", f"alpha={sources['alpha']}", "--source",
+            f"beta={sources['beta']}", *ARGS, "--warehouse", wh]
+
+
+def _lines(err: str) -> list[str]:
+    return [line for line in err.replace("\r", "\n").splitlines() if line.startswith(("error:", "warning:"))]
+
+
+def test_sigint_during_extract_is_one_line_exit_130_and_leaves_nothing(model, sources, tmp_path):
+    wh = tmp_path / "wh"
+    r = _cli(_args(model, sources, wh), "int", "forward:3")  # Ctrl-C at the 3rd forward pass (after the params)
+    assert r.returncode == 130, r.stderr
+    assert "terminate called" not in r.stderr and "Traceback" not in r.stderr
+    assert _lines(r.stderr) == [f"error: interrupted: nothing of {model.name}@main was committed"]
+    assert not wh.exists() or tree(wh) == {}  # no file, no empty partition folder
+
+
+def test_failure_after_model_load_leaves_no_empty_folders(model, tmp_path):
+    src = _jsonl(tmp_path / "blank.jsonl", ["   ", "\t"])  # no tokens: fails after the parameter tables
+    wh = tmp_path / "wh"
+    line = one_line_error(*extract(model, wh, source=f"b={src}")[::2])
+    assert "no tokens to process" in line
+    assert not wh.exists() or tree(wh) == {}
+
+
+def test_sigint_after_the_record_says_the_commit_landed(model, sources, tmp_path, clean_two):
+    wh = tmp_path / "wh"
+    r = _cli(_args(model, sources, wh), "int", "views")  # after the record, before the companions
+    assert r.returncode == 130, r.stderr
+    assert _lines(r.stderr) == [f"error: interrupted after {model.name}@main was committed (generation 1); its data is in "
+                                "the warehouse (views.sql, runs.parquet and manifest.json are rewritten by the next "
+                                "query)"]
+    same_numbers(views(wh), clean_two)
+
+
+def test_disk_full_after_the_record_is_a_warning_that_the_commit_landed(model, sources, tmp_path, clean_two):
+    wh = tmp_path / "wh"
+    r = _cli(_args(model, sources, wh), "enospc", "views")
+    assert r.returncode == 0, r.stderr
+    (line,) = _lines(r.stderr)
+    assert line.startswith(f"warning: {model.name}@main was committed (generation 1), but a step after its record failed "
+                           "([Errno 28] No space left on device)")
+    same_numbers(views(wh), clean_two)
+    assert run_cli("validate", "--warehouse", wh)[0] == 0
+
+
+@pytest.fixture(scope="module")
+def clean_two(model, sources, tmp_path_factory):
+    wh = tmp_path_factory.mktemp("two") / "wh"
+    assert run_cli(*_args(model, sources, wh))[0] == 0
+    return views(wh)

@@ -218,10 +218,23 @@ def connect(root="warehouse") -> duckdb.DuckDBPyConnection:
         raise UserError(f"{root}: merged tables do not match the partials for {len(stale) + len(extra)} group(s); "
                         "run `python cli.py validate --warehouse ... --fix`")
     con = duckdb.connect()
-    for stmt in all_view_sql(root, manifest, con):
-        con.execute(stmt)
+    try:
+        for stmt in all_view_sql(root, manifest, con):
+            con.execute(stmt)
+    except duckdb.Error as e:
+        con.close()
+        raise UserError(duckdb_error_line(e)) from None
     read_only(con, _listed_paths(root, manifest))
     return con
+
+
+def duckdb_error_line(e: Exception) -> str:
+    """A DuckDB error as one line; a file the manifest lists but that is gone is named as such."""
+    text = " ".join(str(e).split())
+    m = re.search(r'No files found that match the pattern "([^"]+)"', text)
+    if m:
+        return f"{m.group(1)}: listed in the manifest but missing (run `python cli.py validate`)"
+    return text[:400]
 
 
 # ---------------------------------------------------------------- read-only connections
