@@ -883,6 +883,8 @@ def commit(root, entries: list[dict], max_tries: int = 1000, replace: bool = Fal
             store.check_compatible(manifest, e["model"], e["hidden_size"])
         if merged is None:
             try:
+                for model, checkpoint in sorted({(e["model"], e["checkpoint"]) for e in data}):
+                    check_open(manifest, model, checkpoint)  # a compacted checkpoint: that line first
                 dropped, conflicts = replacements(manifest, entries)
                 if conflicts and not replace:
                     raise UserError(conflict_line(conflicts))
