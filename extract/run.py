@@ -856,18 +856,19 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         identity = model_identity(ref, checkpoint)  # a local directory's weights: known before loading
         if not settings.params_only:
             merge.check_open(store.read_manifest(root), ref.name, checkpoint)  # before hours of forward passes
-        check_coverage(root, ref, checkpoint, [] if settings.params_only else todo, settings, prints, identity)
+        data_todo = [] if settings.params_only else todo
+        check_coverage(root, ref, checkpoint, data_todo, settings, prints, None)  # shards and files: before loading
         t0 = time.perf_counter()
         loaded = load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code, settings.modules)
         if identity is None and loaded.revision_hash:  # a hub model: its commit, known once loaded
             identity = model_identity(ref, checkpoint, loaded.revision_hash)
-            check_coverage(root, ref, checkpoint, [] if settings.params_only else todo, settings, prints, identity)
         spent = {"load": time.perf_counter() - t0}  # seconds of each phase, logged per checkpoint
         if settings.max_length is not None and settings.max_length > loaded.context:
             raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
         d = loaded.d
         manifest = store.read_manifest(root)
         store.check_compatible(manifest, ref.name, d)
+        check_coverage(root, ref, checkpoint, data_todo, settings, prints, identity)  # other weights, this name
         run_id = store.new_run_id()
         prov = {**base_prov, "model_revision": loaded.revision_hash or checkpoint,
                 "weights": loaded.weights_id, "model_identity": identity, "params_code": PARAMS_CODE,
