@@ -360,3 +360,25 @@ def clean_two(model, sources, tmp_path_factory):
     wh = tmp_path_factory.mktemp("two") / "wh"
     assert run_cli(*_args(model, sources, wh))[0] == 0
     return views(wh)
+
+
+def test_a_sweep_file_whose_shards_changed_never_double_counts(model, sources, clean, tmp_path):
+    wh, config = tmp_path / "wh", tmp_path / "sweep.toml"
+
+    def sweep(shards: int, extra: str = ""):
+        config.write_text(f'warehouse = "{wh}"\nmodels = ["{model}"]\nshards = {shards}\n\n[sources]\n'
+                          f'alpha = "{sources["alpha"]}"\n\n[settings]\nmax_length = 32\nbatch-size = 2\n{extra}')
+        return run_cli("sweep", config)
+
+    assert sweep(1)[0] == 0
+    before = tree(wh)
+    code, _, err = sweep(2)  # 1/2 overlaps 1/1: refused, nothing written (the plan's line comes first)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "shard 1/1" in errors[0] and "replace = true" in errors[0], err
+    assert tree(wh) == before
+    code, _, err = sweep(2, "replace = true\n")
+    assert code == 0, err
+    assert n_of(wh) == clean["n"]
+    same_numbers(views(wh), clean["halves"])
+    assert sweep(1)[0] == 0  # back to 1/1: it covers both halves
+    assert n_of(wh) == clean["n"] and views(wh)["shards"] == clean["whole"]["shards"]

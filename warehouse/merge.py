@@ -797,17 +797,18 @@ def conflict_line(conflicts: list[tuple[dict, str]]) -> str:
     what = f"{old['model']}@{old['checkpoint']}"
     shard = "/".join(map(str, shard_of(old)))
     more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+    replace = "pass --replace (a sweep file: replace = true) to drop"
     if why == "weights":
         where = old.get("provenance", {}).get("model_location") or "another location"
         return (f"the warehouse holds {what} from other weights ({where}, identity {_identity(old)}){more}; "
-                "give this model another name with --name, or pass --replace to drop what holds the other weights")
+                f"give this model another name with --name, or {replace} what holds the other weights")
     if why == "file":
         return (f"source {old['source']} of {what} holds shard {shard} of another version of its file "
                 f"(fingerprint {old.get('provenance', {}).get('source_fingerprint')}){more}; re-extract the whole "
-                "source (--shard 1/1), give it another source name, or pass --replace to drop the old shards")
+                f"source (--shard 1/1), give it another source name, or {replace} the old shards")
     return (f"source {old['source']} of {what} holds shard {shard}, which shares documents with this shard but "
-            f"is not covered by it{more}; re-extract with --shard {shard} (or one that covers it), or pass "
-            "--replace to drop it (then extract the other shards of the new sharding)")
+            f"is not covered by it{more}; re-extract with --shard {shard} (or one that covers it), or {replace} "
+            "it (then extract the other shards of the new sharding)")
 
 
 def check_conflicts(manifest: dict, entries: list[dict]) -> None:
