@@ -57,7 +57,8 @@ def run_demo(root: Path, settings: DemoSettings, log=print) -> dict:
     timings["train"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     ex = Settings(max_tokens=settings.max_tokens, skip_done=not settings.force, moments=True, cross_moments=True, sample=settings.sample,
-                  sequences=True, prompt_entropy=True)  # every figure of the report, the opt-in ones included
+                  sequences=True, prompt_entropy=True,  # every figure of the report, the opt-in ones included
+                  replace=settings.force)  # --force: retrained weights replace the old ones under their names
     for spec in ("minilm", str(models / "micro-tied"), str(models / "micro-untied")):
         ref = resolve_model(spec)
         checkpoints = select_checkpoints(ref, "all") if ref.name.startswith("micro-") else ["main"]

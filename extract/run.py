@@ -735,7 +735,7 @@ def _entry(kind: str, loaded: Loaded, run_id: str, files: dict, settings: Settin
 
 
 def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settings: Settings,
-          source_fingerprint: str) -> bool:
+          source_fingerprint: str, identity: str | None = None) -> bool:
     """Whether the warehouse holds this (checkpoint, source, shard) with the same data and settings.
     A split source is done when any of its values is: a checkpoint's sources commit together."""
     shard = f"{settings.shard[0]}-of-{settings.shard[1]}"
@@ -752,6 +752,8 @@ def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settin
             continue
         if entry["provenance"].get("model_location") != ref.location:
             continue
+        if identity and entry["provenance"].get("model_identity") not in (None, identity):
+            continue  # the same directory holds other weights now (retrained): not done
         if source.split_values is not None and entry["settings"].get("split_value") not in source.split_values:
             continue
         if all(recorded_setting(entry["settings"], k) == want[k] for k in RESULT_SETTINGS):
@@ -849,14 +851,15 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
     try:
         for checkpoint in checkpoints:
             todo = list(sources)
+            identity = model_identity(ref, checkpoint)  # a local directory's weights: known before loading
             if settings.skip_done:
                 manifest = store.read_manifest(root)
-                todo = [s for s in sources if not _done(manifest, ref, checkpoint, s, settings, prints[s.name])]
+                todo = [s for s in sources if not _done(manifest, ref, checkpoint, s, settings, prints[s.name],
+                                                        identity)]
                 params_key = store.entry_key("params", ref.name, checkpoint)
                 if not todo and params_key in manifest["entries"]:
                     log(f"{ref.name}@{checkpoint}: already in the warehouse with these settings; skipped")
                     continue
-            identity = model_identity(ref, checkpoint)  # a local directory's weights: known before loading
             if not settings.params_only:
                 merge.check_open(store.read_manifest(root), ref.name, checkpoint)  # before hours of forward passes
             data_todo = [] if settings.params_only else todo
