@@ -745,7 +745,7 @@ window.__errors = [];
 
 def _meta(d: Data, warehouse) -> dict:
     def column(sql: str) -> list:
-        return [r[0] for r in d.con.execute(sql).fetchall()]
+        return d.q(sql).to_series(0).to_list()  # through Data.q: a DuckDB error is one line
 
     data_runs = d.where("kind = 'data'")
     excluded = d.where("source = 'all' AND (n_nonfinite > 0 OR n_zero > 0)")
