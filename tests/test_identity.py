@@ -12,7 +12,6 @@ import hashlib
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
