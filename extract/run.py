@@ -837,7 +837,22 @@ def check_coverage(root, ref: ModelRef, checkpoint: str, sources: list[Source], 
 def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
             settings: Settings, log=print, prints: dict[str, str] | None = None) -> list[SourceResult]:
     """Every checkpoint over every source, one commit per checkpoint.  `prints`: the sources' data
-    fingerprints where the caller has them already (a sweep's plan), so no file is hashed twice."""
+    fingerprints where the caller has them already (a sweep's plan), so no file is hashed twice.
+    SIGINT (KeyboardInterrupt) anywhere ends in `Interrupted`, whose line says what was committed."""
+    committed: list[str] = []  # "model@checkpoint" of the commits that landed
+    current: list[str] = []  # the checkpoint being worked on
+    try:
+        return _extract(ref, checkpoints, sources, root, settings, log, prints, committed, current)
+    except KeyboardInterrupt:  # outside a checkpoint's own handler: loading, checks, logging
+        what = f"{ref.name}@{(current or checkpoints or ['?'])[0]}"
+        if what in committed:
+            raise Interrupted(f"interrupted after {what} was committed; its data is in the warehouse") from None
+        raise Interrupted(f"interrupted: nothing of {what} was committed" +
+                          (f"; committed before it: {', '.join(committed)}" if committed else "")) from None
+
+
+def _extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root, settings: Settings, log,
+             prints: dict[str, str] | None, committed: list[str], current: list[str]) -> list[SourceResult]:
     root = open_storage(root)  # a directory or s3://bucket/prefix; S3 is probed here, before any model loads
     limit_malloc_arenas()
     dtype = DTYPES[settings.dtype]
@@ -846,130 +861,122 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
     prints = {s.name: (prints or {}).get(s.name) or fingerprint(s) for s in sources}
     results: list[SourceResult] = []
     base_prov = {"git_hash": git_hash(), "packages": package_versions(), "model_location": ref.location}
-    committed: list[str] = []  # checkpoints whose commit landed (for the line an interrupt prints)
-    checkpoint = None
-    try:
-        for checkpoint in checkpoints:
-            todo = list(sources)
-            identity = model_identity(ref, checkpoint)  # a local directory's weights: known before loading
-            if settings.skip_done:
-                manifest = store.read_manifest(root)
-                todo = [s for s in sources if not _done(manifest, ref, checkpoint, s, settings, prints[s.name],
-                                                        identity)]
-                params_key = store.entry_key("params", ref.name, checkpoint)
-                if not todo and params_key in manifest["entries"]:
-                    log(f"{ref.name}@{checkpoint}: already in the warehouse with these settings; skipped")
-                    continue
-            if not settings.params_only:
-                merge.check_open(store.read_manifest(root), ref.name, checkpoint)  # before hours of forward passes
-            data_todo = [] if settings.params_only else todo
-            check_coverage(root, ref, checkpoint, data_todo, settings, prints, None)  # shards and files: before loading
-            t0 = time.perf_counter()
-            loaded = load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code, settings.modules)
-            if identity is None and loaded.revision_hash:  # a hub model: its commit, known once loaded
-                identity = model_identity(ref, checkpoint, loaded.revision_hash)
-            spent = {"load": time.perf_counter() - t0}  # seconds of each phase, logged per checkpoint
-            if settings.max_length is not None and settings.max_length > loaded.context:
-                raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
-            d = loaded.d
+    for checkpoint in checkpoints:
+        current[:] = [checkpoint]
+        todo = list(sources)
+        identity = model_identity(ref, checkpoint)  # a local directory's weights: known before loading
+        if settings.skip_done:
             manifest = store.read_manifest(root)
-            store.check_compatible(manifest, ref.name, d)
-            check_coverage(root, ref, checkpoint, data_todo, settings, prints, identity)  # other weights, this name
-            run_id = store.new_run_id()
-            prov = {**base_prov, "model_revision": loaded.revision_hash or checkpoint,
-                    "weights": loaded.weights_id, "model_identity": identity, "params_code": PARAMS_CODE,
-                    "layout": loaded.layout.describe(),
-                    "special_tokens": {"prefix": list(loaded.prefix), "suffix": list(loaded.suffix),
-                                       "counted": settings.special_tokens},
-                    "max_length": max_window(loaded, settings)}
-            written: list[str] = []
-            entries: list[dict] = []
-            done_here = 0  # results of this checkpoint (a split source gives one per value)
-            try:
-                t = time.perf_counter()
-                if params_kept(manifest, loaded, prov):
-                    spent["parameter tables (kept)"] = 0.0
+            todo = [s for s in sources if not _done(manifest, ref, checkpoint, s, settings, prints[s.name],
+                                                    identity)]
+            params_key = store.entry_key("params", ref.name, checkpoint)
+            if not todo and params_key in manifest["entries"]:
+                log(f"{ref.name}@{checkpoint}: already in the warehouse with these settings; skipped")
+                continue
+        if not settings.params_only:
+            merge.check_open(store.read_manifest(root), ref.name, checkpoint)  # before hours of forward passes
+        data_todo = [] if settings.params_only else todo
+        check_coverage(root, ref, checkpoint, data_todo, settings, prints, None)  # shards and files: before loading
+        t0 = time.perf_counter()
+        loaded = load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code, settings.modules)
+        if identity is None and loaded.revision_hash:  # a hub model: its commit, known once loaded
+            identity = model_identity(ref, checkpoint, loaded.revision_hash)
+        spent = {"load": time.perf_counter() - t0}  # seconds of each phase, logged per checkpoint
+        if settings.max_length is not None and settings.max_length > loaded.context:
+            raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
+        d = loaded.d
+        manifest = store.read_manifest(root)
+        store.check_compatible(manifest, ref.name, d)
+        check_coverage(root, ref, checkpoint, data_todo, settings, prints, identity)  # other weights, this name
+        run_id = store.new_run_id()
+        prov = {**base_prov, "model_revision": loaded.revision_hash or checkpoint,
+                "weights": loaded.weights_id, "model_identity": identity, "params_code": PARAMS_CODE,
+                "layout": loaded.layout.describe(),
+                "special_tokens": {"prefix": list(loaded.prefix), "suffix": list(loaded.suffix),
+                                   "counted": settings.special_tokens},
+                "max_length": max_window(loaded, settings)}
+        written: list[str] = []
+        entries: list[dict] = []
+        done_here = 0  # results of this checkpoint (a split source gives one per value)
+        try:
+            t = time.perf_counter()
+            if params_kept(manifest, loaded, prov):
+                spent["parameter tables (kept)"] = 0.0
+            else:
+                params_files = write_params(root, loaded, run_id)
+                spent["parameter tables"] = time.perf_counter() - t
+                written += params_files.values()
+                entries = [_entry("params", loaded, run_id, params_files, settings, d, prov=prov)]
+            to_compute(loaded, dtype, settings.device)
+            for source in ([] if settings.params_only else todo):
+                if source.split_by is None:
+                    result = SourceResult(source.name)
+                    parts = [(source, result, accumulate_source(loaded, source, settings, result))]
                 else:
-                    params_files = write_params(root, loaded, run_id)
-                    spent["parameter tables"] = time.perf_counter() - t
-                    written += params_files.values()
-                    entries = [_entry("params", loaded, run_id, params_files, settings, d, prov=prov)]
-                to_compute(loaded, dtype, settings.device)
-                for source in ([] if settings.params_only else todo):
-                    if source.split_by is None:
-                        result = SourceResult(source.name)
-                        parts = [(source, result, accumulate_source(loaded, source, settings, result))]
-                    else:
-                        parts = [(p.source, p.result, p.acc) for p in accumulate_split(loaded, source, settings)]
-                    release_memory()  # the forward's freed temporaries, before the write allocates
-                    try:
-                        if sum(r.tokens for _, r, _ in parts) == 0:
-                            raise UserError(f"--source {source.name}: {source.describe()}: no tokens to process "
-                                            f"({sum(r.documents for _, r, _ in parts)} documents after filters)")
-                        for sub, result, acc in parts:  # one value's sums written, then freed
-                            spent["forward"] = spent.get("forward", 0.0) + result.seconds
-                            t = time.perf_counter()
-                            result.files, result.vector_dtype = write_sums(root, loaded, sub, settings, acc, run_id)
-                            spent["write"] = spent.get("write", 0.0) + time.perf_counter() - t
-                            written += result.files.values()
-                            acc.close()
-                    finally:
-                        for _, _, acc in parts:
-                            acc.close()
-                    parts = [(sub, result) for sub, result, _ in parts]
-                    release_memory()
-                    for sub, result in parts:
-                        entries.append(_entry("data", loaded, run_id, result.files, settings, d, sub, result,
-                                              {**prov, "source_fingerprint": prints[source.name],
-                                               "source_path": str(sub.path.resolve()) if sub.path is not None else sub.describe()}))
-                        results.append(result)
-                        if result.replaced_lines:
-                            log(f"warning: {sub.name}: {result.replaced_lines} lines had bytes that are not UTF-8 (replaced with U+FFFD)")
-                        if result.skipped_lines:
-                            log(f"warning: {sub.name}: {result.skipped_lines} lines had bytes that are not UTF-8 (skipped)")
-                        if result.nonfinite:
-                            log(f"warning: {sub.name}: {result.nonfinite} NaN/inf activations counted and excluded")
-                        if result.vector_dtype != settings.vector_dtype:
-                            log(f"warning: {sub.name}: a token's sum of unit vectors exceeds {settings.vector_dtype}'s range "
-                                f"(it occurs more than 65,504 times): its vectors are stored in {result.vector_dtype}")
-                    done_here += len(parts)
-                t = time.perf_counter()
-                if entries:  # nothing when the parameter tables were kept and no source was left
-                    merge.commit(root, entries, replace=settings.replace)  # partials + merged tables, one record
-                spent["commit"] = time.perf_counter() - t
-            except BaseException as exc:
-                kept = merge.committed_files(root, entries)
-                for rel in written:  # files of a commit that did not happen (never of one that did)
-                    if rel not in kept:
-                        with contextlib.suppress(Exception):  # a storage fault: an orphan for validate --fix
-                            root.delete(rel)
-                if not (entries and kept >= {f for e in entries for f in e["files"].values()}):
-                    remove_empty_dirs(root, ref.name, checkpoint)  # nothing of this checkpoint landed
-                    if isinstance(exc, KeyboardInterrupt):
-                        raise Interrupted(f"interrupted: nothing of {ref.name}@{checkpoint} was committed" +
-                                          (f"; committed before it: {', '.join(committed)}" if committed else "")
-                                          ) from None
-                    raise
-                after_commit(root, f"{ref.name}@{checkpoint}", exc, log)  # the record landed: say so
-            finally:
-                del loaded
-            committed.append(f"{ref.name}@{checkpoint}")
-            try:
-                query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
-            except BaseException as exc:
-                after_commit(root, f"{ref.name}@{checkpoint}", exc, log)
-            log(f"{ref.name}@{checkpoint}: {time.perf_counter() - t0:.1f} s: " +
-                ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()))
-            for r in results[len(results) - done_here:]:
-                log(f"{ref.name}@{checkpoint} {r.source}: {r.tokens} tokens, {r.documents} documents, "
-                    f"{r.skipped} skipped, {r.windows} windows, {r.nonfinite} non-finite, "
-                    f"{r.seconds:.1f} s ({r.tokens / max(r.seconds, 1e-9):.0f} tok/s)")
-    except KeyboardInterrupt:  # outside a checkpoint's own handler: loading, checks, logging
-        what = f"{ref.name}@{checkpoint or checkpoints[0]}"
-        if what in committed:
-            raise Interrupted(f"interrupted after {what} was committed; its data is in the warehouse") from None
-        raise Interrupted(f"interrupted: nothing of {what} was committed" +
-                          (f"; committed before it: {', '.join(committed)}" if committed else "")) from None
+                    parts = [(p.source, p.result, p.acc) for p in accumulate_split(loaded, source, settings)]
+                release_memory()  # the forward's freed temporaries, before the write allocates
+                try:
+                    if sum(r.tokens for _, r, _ in parts) == 0:
+                        raise UserError(f"--source {source.name}: {source.describe()}: no tokens to process "
+                                        f"({sum(r.documents for _, r, _ in parts)} documents after filters)")
+                    for sub, result, acc in parts:  # one value's sums written, then freed
+                        spent["forward"] = spent.get("forward", 0.0) + result.seconds
+                        t = time.perf_counter()
+                        result.files, result.vector_dtype = write_sums(root, loaded, sub, settings, acc, run_id)
+                        spent["write"] = spent.get("write", 0.0) + time.perf_counter() - t
+                        written += result.files.values()
+                        acc.close()
+                finally:
+                    for _, _, acc in parts:
+                        acc.close()
+                parts = [(sub, result) for sub, result, _ in parts]
+                release_memory()
+                for sub, result in parts:
+                    entries.append(_entry("data", loaded, run_id, result.files, settings, d, sub, result,
+                                          {**prov, "source_fingerprint": prints[source.name],
+                                           "source_path": str(sub.path.resolve()) if sub.path is not None else sub.describe()}))
+                    results.append(result)
+                    if result.replaced_lines:
+                        log(f"warning: {sub.name}: {result.replaced_lines} lines had bytes that are not UTF-8 (replaced with U+FFFD)")
+                    if result.skipped_lines:
+                        log(f"warning: {sub.name}: {result.skipped_lines} lines had bytes that are not UTF-8 (skipped)")
+                    if result.nonfinite:
+                        log(f"warning: {sub.name}: {result.nonfinite} NaN/inf activations counted and excluded")
+                    if result.vector_dtype != settings.vector_dtype:
+                        log(f"warning: {sub.name}: a token's sum of unit vectors exceeds {settings.vector_dtype}'s range "
+                            f"(it occurs more than 65,504 times): its vectors are stored in {result.vector_dtype}")
+                done_here += len(parts)
+            t = time.perf_counter()
+            if entries:  # nothing when the parameter tables were kept and no source was left
+                merge.commit(root, entries, replace=settings.replace)  # partials + merged tables, one record
+            spent["commit"] = time.perf_counter() - t
+        except BaseException as exc:
+            kept = merge.committed_files(root, entries)
+            for rel in written:  # files of a commit that did not happen (never of one that did)
+                if rel not in kept:
+                    with contextlib.suppress(Exception):  # a storage fault: an orphan for validate --fix
+                        root.delete(rel)
+            if not (entries and kept >= {f for e in entries for f in e["files"].values()}):
+                remove_empty_dirs(root, ref.name, checkpoint)  # nothing of this checkpoint landed
+                if isinstance(exc, KeyboardInterrupt):
+                    raise Interrupted(f"interrupted: nothing of {ref.name}@{checkpoint} was committed" +
+                                      (f"; committed before it: {', '.join(committed)}" if committed else "")
+                                      ) from None
+                raise
+            after_commit(root, f"{ref.name}@{checkpoint}", exc, log)  # the record landed: say so
+        finally:
+            del loaded
+        committed.append(f"{ref.name}@{checkpoint}")
+        try:
+            query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
+        except BaseException as exc:
+            after_commit(root, f"{ref.name}@{checkpoint}", exc, log)
+        log(f"{ref.name}@{checkpoint}: {time.perf_counter() - t0:.1f} s: " +
+            ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()))
+        for r in results[len(results) - done_here:]:
+            log(f"{ref.name}@{checkpoint} {r.source}: {r.tokens} tokens, {r.documents} documents, "
+                f"{r.skipped} skipped, {r.windows} windows, {r.nonfinite} non-finite, "
+                f"{r.seconds:.1f} s ({r.tokens / max(r.seconds, 1e-9):.0f} tok/s)")
     return results
 
 
