@@ -58,7 +58,8 @@ def run_demo(root: Path, settings: DemoSettings, log=print) -> dict:
     timings["train"] = time.perf_counter() - t0
     t1 = time.perf_counter()
     ex = Settings(max_tokens=settings.max_tokens, skip_done=not settings.force, moments=True, cross_moments=True, sample=settings.sample,
-                  sequences=True, prompt_entropy=True)  # every figure of the report, the opt-in ones included
+                  sequences=True, prompt_entropy=True,  # every figure of the report, the opt-in ones included
+                  replace=settings.force)  # --force: retrained weights replace the old ones under their names
     specs = ("minilm", str(models / "micro-tied"), str(models / "micro-untied"))
     for i, spec in enumerate(specs, 1):
         log(f"demo: extract {Path(spec).name} ({i} of {len(specs)}), {time.perf_counter() - t0:.0f} s in")

@@ -203,6 +203,47 @@ def weights_id(where: str, revision_hash: str | None, local: bool) -> str | None
     return f"{Path(where).resolve()} {h.hexdigest()}"
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+_SAMPLE, _SAMPLES, _HEAD = 1 << 16, 16, 1 << 20  # bytes per sample, samples per file, bytes read whole at the start
+
+
+def content_fingerprint(directory: Path) -> str | None:
+    """blake2b of a directory's weight files (*.safetensors, *.bin, *.pt): each file's name and size,
+    its first MiB (a safetensors header: every tensor's name, dtype, shape and offsets), 16 blocks of
+    64 KiB at evenly spaced offsets and its last 64 KiB — a whole file when it is smaller than that
+    (about 2 MiB read per file, whatever its size).  The same bytes from any path give the same
+    fingerprint; two trainings of one architecture differ in every sampled block.  None: no weights."""
+    files = sorted(f for f in Path(directory).iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
+    if not files:
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}\0{size}\n".encode())
+        with open(f, "rb") as fh:
+            if size <= _HEAD + (_SAMPLES + 1) * _SAMPLE:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(chunk)
+                continue
+            h.update(fh.read(_HEAD))
+            for k in range(_SAMPLES):
+                fh.seek(_HEAD + (size - _HEAD - _SAMPLE) * k // _SAMPLES)
+                h.update(fh.read(_SAMPLE))
+            fh.seek(size - _SAMPLE)
+            h.update(fh.read(_SAMPLE))
+    return "weights " + h.hexdigest()
+
+
+def model_identity(ref: ModelRef, checkpoint: str, revision_hash: str | None = None) -> str | None:
+    """What the warehouse compares to tell two models under one name apart (per checkpoint): the hub
+    commit of a hub model (known once loaded: `revision_hash`), a local checkpoint directory's
+    `content_fingerprint` (known before loading)."""
+    if not ref.local:
+        return f"commit {revision_hash}" if revision_hash else None
+    where, _ = _where(ref, checkpoint)
+    return content_fingerprint(Path(where))
+
+
 def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
          trust_remote_code: bool = False, modules: dict | None = None) -> Loaded:
     """Load tokenizer and weights as a user's model is loaded: safetensors preferred, no remote code.
@@ -256,6 +297,9 @@ def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
         raise UserError(
             f"tokenizer of {ref.location!r} has {len(tokenizer)} tokens but the embedding has only {emb_rows} rows"
         )
+    if not tokenizer("The cat sat on the mat.", add_special_tokens=False)["input_ids"]:
+        raise UserError(f"{where}: no usable tokenizer (it turns text into no tokens: tokenizer files such as "
+                        "tokenizer.json, vocab.json or tokenizer.model are missing)")
     prefix, suffix = special_template(tokenizer)
     return Loaded(
         ref=ref, checkpoint=checkpoint, step=parse_step(checkpoint), layout=layout, model=model,

@@ -107,7 +107,8 @@ def make_settings(o: dict, launch: Launch, cuda_available: bool):
                     scatter=o["scatter"], sequences=bool(o["sequences"] or o["prompt_entropy"]),
                     prompt_entropy=o["prompt_entropy"], sample=o["sample"], special_tokens=o["special_tokens"],
                     memory_budget=budget, spill_dir=str(o["spill_dir"]) if o["spill_dir"] else None,
-                    modules=parse_module_overrides(o["module"]), split_limit=o["split_limit"])
+                    modules=parse_module_overrides(o["module"]), split_limit=o["split_limit"],
+                    replace=bool(o.get("replace")))
 
 
 def prepare(o: dict, launch: Launch | None = None) -> Job:
@@ -121,5 +122,13 @@ def prepare(o: dict, launch: Launch | None = None) -> Job:
     sources = [make_source(s, o) for s in o["source"] or []]
     check_sources(sources, o)
     ref = resolve_model(o["model"])
+    if o.get("name") is not None:  # the model's name in the warehouse (default: the directory's or hub id)
+        import dataclasses
+        import re
+
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}", o["name"]) or o["name"] == "all":
+            raise UserError(f"--name {o['name']!r}: expected 1-128 letters, digits, '.', '_', '-' or '/', "
+                            "starting with a letter or digit")
+        ref = dataclasses.replace(ref, name=o["name"])
     return Job(ref, revisions(ref, o["checkpoint"], o["checkpoints"]), sources, settings, launch)
 

@@ -34,7 +34,7 @@ from .sequences import WindowMeasures
 from . import architectures as architectures_module, params as params_module
 from .architectures import get_module
 from .hooks import capture_layers, layer_kinds
-from .models import DTYPES, Loaded, ModelRef, check_dtype, forward_kwargs, load, to_compute
+from .models import DTYPES, Loaded, ModelRef, check_dtype, forward_kwargs, load, model_identity, to_compute
 from .memory import available_memory, limit_malloc_arenas, release_memory
 from .params import norm_table, partition_table, vocab_table
 from .staging import Prefetch
@@ -70,6 +70,7 @@ class Settings:
     modules: dict = field(default_factory=dict)  # --module ROLE=PATH overrides of the discovered layout
     split_limit: int = 64  # a split source: at most this many distinct values (each holds its own sums)
     read_shard: tuple[int, int] | None = None  # the documents read, where not `shard` (a rank of a reducing torchrun job)
+    replace: bool = False  # drop committed partials this run conflicts with (merge.replacements) instead of refusing
 
 
 # Settings that change a run's numbers: a finished run with the same ones can be kept (--skip-done).
@@ -757,7 +758,7 @@ def _entry(kind: str, loaded: Loaded, run_id: str, files: dict, settings: Settin
 
 
 def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settings: Settings,
-          source_fingerprint: str) -> bool:
+          source_fingerprint: str, identity: str | None = None) -> bool:
     """Whether the warehouse holds this (checkpoint, source, shard) with the same data and settings.
     A split source is done when any of its values is: a checkpoint's sources commit together."""
     shard = f"{settings.shard[0]}-of-{settings.shard[1]}"
@@ -774,11 +775,86 @@ def _done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source, settin
             continue
         if entry["provenance"].get("model_location") != ref.location:
             continue
+        if identity and entry["provenance"].get("model_identity") not in (None, identity):
+            continue  # the same directory holds other weights now (retrained): not done
         if source.split_values is not None and entry["settings"].get("split_value") not in source.split_values:
             continue
         if all(recorded_setting(entry["settings"], k) == want[k] for k in RESULT_SETTINGS):
             return True
     return False
+
+
+class Interrupted(Exception):
+    """SIGINT (Ctrl-C) during extract, with a line saying what was committed; the command line
+    prints it and exits 130."""
+
+
+def after_commit(root, what: str, exc: BaseException, log) -> None:
+    """A failure after the commit record was created: the data is in the warehouse.  What follows
+    the record (manifest.json, runs.parquet, views.sql: caches a query rewrites; removing replaced
+    files: orphans `validate --fix` removes) is not needed for correct answers, so a failure there
+    is a warning; an interrupt there ends the run, saying the commit landed."""
+    try:
+        generation = f"generation {store.read_state(root)[0]}"
+    except Exception:  # noqa: BLE001 - the line is what matters
+        generation = "its commit record"
+    if isinstance(exc, KeyboardInterrupt):
+        raise Interrupted(f"interrupted after {what} was committed ({generation}); its data is in the warehouse "
+                          "(views.sql, runs.parquet and manifest.json are rewritten by the next query)") from None
+    if not isinstance(exc, (OSError, UserError)):
+        raise exc
+    reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+    log(f"warning: {what} was committed ({generation}), but a step after its record failed ({reason}); "
+        "views.sql, runs.parquet and manifest.json are rewritten by the next query (or `cli.py views`), "
+        "left-over files are removed by `cli.py validate --fix`")
+
+
+def remove_empty_dirs(root, model: str, checkpoint: str) -> None:
+    """After a failed checkpoint: the partition folders of (model, checkpoint) that hold nothing (its
+    writers created them; their files were removed), bottom-up; folders with any file stay."""
+    import os
+    from urllib.parse import quote
+
+    if not getattr(root, "local", False):
+        return  # object stores have no folders
+    tables = Path(root.path("tables"))
+    if not tables.is_dir():
+        return
+    for table in tables.iterdir():
+        top = table / f"model={quote(model, safe='')}"
+        for folder, _, _ in os.walk(top / f"checkpoint={quote(checkpoint, safe='')}", topdown=False):
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+        for d in (top, table):
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+    with contextlib.suppress(OSError):
+        os.rmdir(tables)
+
+
+def check_coverage(root, ref: ModelRef, checkpoint: str, sources: list[Source], settings: Settings,
+                   prints: dict[str, str], identity: str | None) -> None:
+    """Before any forward pass: what `merge.commit` would refuse for these sources' partials (an
+    overlapping shard, another version of a source file, other weights under this name), unless
+    --replace.  A split source's partials are named by values not read yet: the committed values of
+    that split stand for them."""
+    if settings.replace:
+        return
+    manifest = store.read_manifest(root)
+    shard = f"{settings.shard[0]}-of-{settings.shard[1]}"
+    prov = {"model_identity": identity}
+    probes = [{"key": store.entry_key("params", ref.name, checkpoint), "kind": "params", "model": ref.name,
+               "checkpoint": checkpoint, "source": None, "shard": None, "provenance": prov}]
+    for source in sources:
+        names = [source.name] if source.split_by is None else sorted(
+            {e["source"] for e in manifest["entries"].values() if e["kind"] == "data" and e["model"] == ref.name
+             and e["checkpoint"] == checkpoint and (e["source"] or "").startswith(source.name + ".")
+             and e["settings"].get("split_by") == source.split_by})
+        for name in names:
+            probes.append({"key": store.entry_key("data", ref.name, checkpoint, name, shard), "kind": "data",
+                           "model": ref.name, "checkpoint": checkpoint, "source": name, "shard": shard,
+                           "provenance": {**prov, "source_fingerprint": prints.get(source.name)}})
+    merge.check_conflicts(manifest, probes)
 
 
 def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
@@ -789,7 +865,24 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
     `loader(ref, checkpoint)`: a `Loaded` instead of `load` (an in-memory model, extract/api.py),
     run in its own dtype and device (not cast).  `reducer` (extract/reduce.py, a rank of a torchrun
     job): the ranks' sums are added before the write, and only rank 0 writes and commits.  `compact`:
-    each checkpoint is compacted after its commit (`cli.py compact`; it then takes no new partial)."""
+    each checkpoint is compacted after its commit (`cli.py compact`; it then takes no new partial).
+    SIGINT (KeyboardInterrupt) anywhere ends in `Interrupted`, whose line says what was committed."""
+    committed: list[str] = []  # "model@checkpoint" of the commits that landed
+    current: list[str] = []  # the checkpoint being worked on
+    try:
+        return _extract(ref, checkpoints, sources, root, settings, log, prints, committed, current, loader, reducer,
+                        compact)
+    except KeyboardInterrupt:  # outside a checkpoint's own handler: loading, checks, logging
+        what = f"{ref.name}@{(current or checkpoints or ['?'])[0]}"
+        if what in committed:
+            raise Interrupted(f"interrupted after {what} was committed; its data is in the warehouse") from None
+        raise Interrupted(f"interrupted: nothing of {what} was committed" +
+                          (f"; committed before it: {', '.join(committed)}" if committed else "")) from None
+
+
+def _extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root, settings: Settings, log,
+             prints: dict[str, str] | None, committed: list[str], current: list[str], loader=None, reducer=None,
+             compact: bool = False) -> list[SourceResult]:
     root = open_storage(root)  # a directory or s3://bucket/prefix; S3 is probed here, before any model loads
     limit_malloc_arenas()
     dtype = DTYPES[settings.dtype]
@@ -799,10 +892,13 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
     results: list[SourceResult] = []
     base_prov = {"git_hash": git_hash(), "packages": package_versions(), "model_location": ref.location}
     for checkpoint in checkpoints:
+        current[:] = [checkpoint]
         todo = list(sources)
+        identity = model_identity(ref, checkpoint)  # a local directory's weights: known before loading
         if settings.skip_done:
             manifest = store.read_manifest(root)
-            todo = [s for s in sources if not _done(manifest, ref, checkpoint, s, settings, prints[s.name])]
+            todo = [s for s in sources if not _done(manifest, ref, checkpoint, s, settings, prints[s.name],
+                                                    identity)]
             params_key = store.entry_key("params", ref.name, checkpoint)
             skip = not todo and params_key in manifest["entries"]
             if reducer is not None:  # every rank runs what rank 0 runs
@@ -813,18 +909,23 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                 continue
         if not settings.params_only:
             merge.check_open(store.read_manifest(root), ref.name, checkpoint)  # before hours of forward passes
+        data_todo = [] if settings.params_only else todo
+        check_coverage(root, ref, checkpoint, data_todo, settings, prints, None)  # shards and files: before loading
         t0 = time.perf_counter()
         loaded = (load(ref, checkpoint, dtype, settings.device, settings.trust_remote_code, settings.modules)
                   if loader is None else loader(ref, checkpoint))
+        if identity is None and loaded.revision_hash:  # a hub model's commit (an in-memory model's weights), once loaded
+            identity = model_identity(ref, checkpoint, loaded.revision_hash)
         spent = {"load": time.perf_counter() - t0}  # seconds of each phase, logged per checkpoint
         if settings.max_length is not None and settings.max_length > loaded.context:
             raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
         d = loaded.d
         manifest = store.read_manifest(root)
         store.check_compatible(manifest, ref.name, d)
+        check_coverage(root, ref, checkpoint, data_todo, settings, prints, identity)  # other weights, this name
         run_id = store.new_run_id()
         prov = {**base_prov, "model_revision": loaded.revision_hash or checkpoint,
-                "weights": loaded.weights_id, "params_code": PARAMS_CODE,
+                "weights": loaded.weights_id, "model_identity": identity, "params_code": PARAMS_CODE,
                 "layout": loaded.layout.describe(),
                 "special_tokens": {"prefix": list(loaded.prefix), "suffix": list(loaded.suffix),
                                    "counted": settings.special_tokens},
@@ -891,23 +992,34 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                 done_here += len(parts)
             t = time.perf_counter()
             if entries:  # nothing when the parameter tables were kept and no source was left
-                merge.commit(root, entries)  # the partials and their merged tables, in one manifest write
+                merge.commit(root, entries, replace=settings.replace)  # partials + merged tables, one record
             spent["commit"] = time.perf_counter() - t
-        except BaseException:
-            committed = merge.committed_files(root, entries)
+        except BaseException as exc:
+            kept = merge.committed_files(root, entries)
             for rel in written:  # files of a commit that did not happen (never of one that did)
-                if rel not in committed:
+                if rel not in kept:
                     with contextlib.suppress(Exception):  # a storage fault: an orphan for validate --fix
                         root.delete(rel)
-            raise
+            if not (entries and kept >= {f for e in entries for f in e["files"].values()}):
+                remove_empty_dirs(root, ref.name, checkpoint)  # nothing of this checkpoint landed
+                if isinstance(exc, KeyboardInterrupt):
+                    raise Interrupted(f"interrupted: nothing of {ref.name}@{checkpoint} was committed" +
+                                      (f"; committed before it: {', '.join(committed)}" if committed else "")
+                                      ) from None
+                raise
+            after_commit(root, f"{ref.name}@{checkpoint}", exc, log)  # the record landed: say so
         finally:
             del loaded
+        committed.append(f"{ref.name}@{checkpoint}")
         if compact and (reducer is None or reducer.writes) and any(e["kind"] == "data" for e in entries):
             t = time.perf_counter()
             merge.compact(root, ref.name, checkpoint)
             spent["compact"] = time.perf_counter() - t
         if reducer is None or reducer.writes:
-            query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
+            try:
+                query.refresh_companions(root)  # views.sql for the DuckDB shell (a query would rewrite it too)
+            except BaseException as exc:
+                after_commit(root, f"{ref.name}@{checkpoint}", exc, log)
         log(f"{ref.name}@{checkpoint}: {time.perf_counter() - t0:.1f} s: " +
             ", ".join(f"{k} {v:.1f} s" for k, v in spent.items()))
         for r in results[len(results) - done_here:]:

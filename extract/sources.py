@@ -38,6 +38,7 @@ from .pythia import fingerprint as pythia_fingerprint
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 FORMATS = (".jsonl.zst", ".jsonl", ".json.gz", ".txt", ".parquet")
+_SURROGATE = re.compile("[\ud800-\udfff]")  # lone surrogates: what "\ud800" in JSON decodes to
 
 
 @dataclass(frozen=True)
@@ -442,6 +443,9 @@ def _raw_documents(source: Source, stats: ReadStats, split: str | None = None) -
         for row in _hf_rows(source):
             if col not in row:
                 raise UserError(f"--source {source.name}: a row has no column {col!r} (columns: {', '.join(row)})")
+            if row[col] is not None and not isinstance(row[col], str):
+                raise UserError(f"--source {source.name}: column {col!r} holds {type(row[col]).__name__} values, "
+                                "not text; name the text column with --text-column")
             yield _row_document(source, row, row[col], split, stats)
         return
     if source.builtin:
@@ -459,6 +463,9 @@ def _raw_documents(source: Source, stats: ReadStats, split: str | None = None) -
             raise UserError(f"{path}: not a readable Parquet file ({e})") from None
         if "text" not in pf.schema_arrow.names:
             raise UserError(f"{path}: Parquet file has no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
+        kind = pf.schema_arrow.field("text").type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+            raise UserError(f"{path}: Parquet column 'text' holds {kind}, not text")
         fields = [f for f in (split, PILE_FIELD if source.pile_set is not None else None) if f]
         columns = list(dict.fromkeys(["text", *(f.split(".")[0] for f in fields)]))
         try:
@@ -490,7 +497,17 @@ def _raw_documents(source: Source, stats: ReadStats, split: str | None = None) -
             raise UserError(f"{path}:{lineno}: malformed JSON line ({str(e)[:200]})") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
             raise UserError(f"{path}:{lineno}: JSON line has no string field 'text'")
-        yield _row_document(source, obj, obj["text"], split, stats)
+        text = obj["text"]
+        if not text.isascii() and _SURROGATE.search(text):  # "\ud800": valid JSON, not text a tokenizer takes
+            if source.encoding_errors == "skip":
+                stats.skipped_lines += 1
+                continue
+            if source.encoding_errors != "replace":
+                raise UserError(f"{path}:{lineno}: the text holds an unpaired surrogate escape (such as \\ud800), "
+                                "which is not Unicode text; use --encoding-errors replace or skip")
+            stats.replaced_lines += 1
+            text = _SURROGATE.sub("\ufffd", text)
+        yield _row_document(source, obj, text, split, stats)
 
 
 def indexed_documents(source: Source, shard: tuple[int, int], stats: ReadStats) -> Iterator[tuple[int, str]]:

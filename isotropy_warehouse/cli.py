@@ -75,6 +75,8 @@ def extract(
     special_tokens: bool = typer.Option(False, "--count-special-tokens/--no-count-special-tokens", help="Also count the positions of the special tokens the tokenizer adds (BOS, [CLS], [SEP]: attention sinks); by default they are fed but not counted."),
     memory_budget: Optional[str] = typer.Option(None, help="Bytes the float64 token sums may hold (e.g. 512MB, 20GiB); beyond it they are spilled exactly to --spill-dir and merged at the end. Default: half the memory free on the accumulator's device."),
     spill_dir: Optional[Path] = typer.Option(None, help="Directory for spilled sums (default: the system's temp directory)."),
+    name: Optional[str] = typer.Option(None, "--name", help="The model's name in the warehouse (default: the directory's name, the hub id or the alias). Two different weights under one name are refused: name one of them."),
+    replace: bool = typer.Option(False, "--replace", help="Drop committed partials this run conflicts with instead of refusing: shards of its sources that overlap its shard without being covered by it (a new sharding), shards of another version of a source file, and whatever holds other weights under this model name and checkpoint (docs/extract.md, 'Shards and identity')."),
     module: Optional[List[str]] = typer.Option(None, "--module", help="ROLE=PATH: name a module where discovery is wrong (roles: embedding, blocks, final_norm, unembedding; PATH 'none' for none), e.g. --module final_norm=model.norm. Repeatable."),
     compact: bool = typer.Option(False, "--compact", help="Compact each checkpoint right after its commit (as `cli.py compact`: the disk keeps the views' tables only; the checkpoint then takes no new partial, so give it only to the run that completes a checkpoint)."),
 ):
@@ -89,10 +91,12 @@ def extract(
     Example (one node, 8 GPUs, one shard per GPU): torchrun --standalone --nproc_per_node 8 cli.py extract --model pythia-1.4b --source pile=val.jsonl.zst
     """
     options = dict(locals())  # every option by name, before anything else is bound
-    from extract.launch import finish, reducer_for
-    from extract.options import prepare
-    from extract.run import extract as run_extract, summary_line
-
+    try:
+        from extract.launch import finish, reducer_for
+        from extract.options import prepare
+        from extract.run import Interrupted, extract as run_extract, summary_line
+    except KeyboardInterrupt:
+        _interrupted("interrupted: nothing was committed")
     try:
         job = prepare(options)
         launch = job.launch
@@ -106,6 +110,23 @@ def extract(
         finish(launch, reducer)  # under torchrun: rank 0 has committed when this returns
     except UserError as e:
         fail(str(e))
+    except Interrupted as e:
+        _interrupted(str(e))
+    except KeyboardInterrupt:  # before the first checkpoint's work began (options, sources, model lookup)
+        _interrupted("interrupted: nothing was committed")
+
+
+def _interrupted(line: str) -> None:
+    """SIGINT: one line and exit 130, at once.  os._exit, not sys.exit: threads still inside native code
+    (torch's, the moments' worker) must not be unwound by interpreter shutdown, which could end in
+    "terminate called without an active exception" (rc 134).  The warehouse needs no cleanup here:
+    `extract` removed its uncommitted files before raising, and a commit is one record or none."""
+    import os
+
+    typer.echo(f"error: {line}", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _extract_specs() -> dict:
@@ -217,11 +238,12 @@ def sql(
     """
     import duckdb
 
-    from warehouse.query import connect
+    from warehouse.query import check_read_only, connect, duckdb_error_line
 
     if format not in ("table", "csv", "json"):
         fail(f"--format {format!r}: expected table, csv or json")
     try:
+        check_read_only(query)  # a query cannot write, attach, install or load (the connection is locked too)
         con = connect(warehouse)
         cur = con.execute(query)
         if cur.description is None:
@@ -230,7 +252,7 @@ def sql(
     except UserError as e:
         fail(str(e))
     except duckdb.Error as e:
-        fail(" ".join(str(e).split()))
+        fail(duckdb_error_line(e))
     if format == "json":
         typer.echo(json.dumps([{c: _clean(v) for c, v in zip(cols, r)} for r in rows], default=str))
     elif format == "csv":

@@ -2,10 +2,12 @@
 SIGKILL the n-th time (default 1st) execution reaches `point`.  Unset, `hit()` is one dict
 lookup.  Points: read, forward, write, close, merge (merged files written, manifest not yet),
 manifest, views, gc, compact, spill (between the layers of a spill run, extract/accumulate.py), reduce (a
-torchrun rank, before its sums are reduced)."""
+torchrun rank, before its sums are reduced).  `ISO_FAULT_ACTION=int` sends SIGINT instead (Ctrl-C at that
+point), `ISO_FAULT_ACTION=enospc` raises OSError(ENOSPC) there (a full disk at that point)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 
@@ -14,10 +16,13 @@ _RANK = os.environ.get("ISO_FAULT_RANK")
 _SPEC = os.environ.get("ISO_FAULT", "") if _RANK in (None, os.environ.get("RANK")) else ""
 _POINT, _, _N = _SPEC.partition(":")
 _COUNT = {"n": int(_N) if _N else 1}
+_ACTION = os.environ.get("ISO_FAULT_ACTION", "kill")
 
 
 def hit(point: str) -> None:
     if _POINT and point == _POINT:
         _COUNT["n"] -= 1
-        if _COUNT["n"] <= 0:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if _COUNT["n"] == 0 and _ACTION == "enospc":  # once: the disk is full at this moment
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if _COUNT["n"] <= 0 and _ACTION != "enospc":
+            os.kill(os.getpid(), signal.SIGINT if _ACTION == "int" else signal.SIGKILL)

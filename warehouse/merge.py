@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import tempfile
 import time
 from collections import defaultdict
@@ -682,12 +683,20 @@ def _fold_derived(st: Storage, old: dict | None, adds: list[dict], removes: list
 # ---------------------------------------------------------------- commit, rebuild, compact
 
 
-def fold(root, manifest: dict, data: list[dict]) -> list[dict]:
+def fold(root, manifest: dict, data: list[dict], dropped: Iterable[dict] = ()) -> list[dict]:
     """New merged entries for every group the data entries `data` touch (they may replace entries of
-    the same key in `manifest`); their files are written, not yet committed."""
+    the same key in `manifest`) or the data entries `dropped` leave (partials `replacements` found
+    covered or conflicting: un-folded like a replaced one); their files are written, not yet
+    committed.  A group left without partials gets no entry (`empty_groups` names it for removal)."""
     by_pair = defaultdict(list)
     for e in data:
         by_pair[(e["model"], e["checkpoint"])].append(e)
+    gone = defaultdict(list)
+    for e in dropped:
+        if e["kind"] != "data":
+            continue
+        gone[(e["model"], e["checkpoint"])].append(e)
+        by_pair.setdefault((e["model"], e["checkpoint"]), [])
     current_all = _data_by_pair(manifest)
     out: list[dict] = []
     try:
@@ -695,10 +704,14 @@ def fold(root, manifest: dict, data: list[dict]) -> list[dict]:
             check_open(manifest, model, checkpoint)
             current = {e["key"]: e for e in current_all.get((model, checkpoint), [])}
             replaced = [current[e["key"]] for e in new if e["key"] in current]
-            after = {**current, **{e["key"]: e for e in new}}
+            replaced += [e for e in gone[(model, checkpoint)] if e["key"] in current and e not in replaced]
+            after = {k: e for k, e in current.items() if k not in {r["key"] for r in replaced}}
+            after.update({e["key"]: e for e in new})
             folded: dict[frozenset, dict] = {}  # the partials of a group folded here → its merged entry
-            for group in sorted({e["source"] for e in new}) + [ALL]:
+            for group in sorted({e["source"] for e in new + replaced}) + [ALL]:
                 inside = [e for e in after.values() if _in_group(e, group)]
+                if not inside:  # every partial of the group dropped: its merged entry goes (empty_groups)
+                    continue
                 members = frozenset(e["key"] for e in inside)
                 if members in folded:  # the same partials (one source: 'all'): copied, not folded again
                     out.append(relabel_group(root, folded[members], group))
@@ -711,6 +724,114 @@ def fold(root, manifest: dict, data: list[dict]) -> list[dict]:
     except BaseException:
         discard(root, out)
         raise
+    return out
+
+
+# ---------------------------------------------------------------- what a partial covers
+
+# A data partial covers the documents of its source (the file with the fingerprint it records) whose
+# index in the source is ≡ I − 1 (mod N) for its shard I of N (extract/sources.py: indexed_documents,
+# split_documents), up to --max-tokens; the model's weights are named by `model_identity`.  Two shards
+# I/N and J/M of one source: J/M ⊆ I/N iff N divides M and J ≡ I (mod N); they share documents iff
+# I ≡ J (mod gcd(N, M)) (Chinese remainder theorem), whatever the number of documents.
+
+
+def shard_of(entry: dict) -> tuple[int, int]:
+    i, _, n = (entry.get("shard") or "1-of-1").partition("-of-")
+    return int(i), int(n)
+
+
+def covers(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether shard a = (I, N) holds every document of shard b = (J, M)."""
+    (i, n), (j, m) = a, b
+    return m % n == 0 and (j - 1) % n == i - 1
+
+
+def overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether shards a and b share a document."""
+    (i, n), (j, m) = a, b
+    return (i - j) % math.gcd(n, m) == 0
+
+
+def _identity(entry: dict) -> str | None:
+    return entry.get("provenance", {}).get("model_identity")
+
+
+def replacements(manifest: dict, entries: list[dict]) -> tuple[list[dict], list[tuple[dict, str]]]:
+    """(committed entries the new `entries` replace, [(committed entry, why)] they conflict with).
+
+    Replaced: a data partial of the same (model, checkpoint, source) whose documents the new one
+    covers, from the same source file.  Conflicts: such a partial that shares documents with the new
+    one without being covered (a re-shard: 1/1 then 1/2 — keeping both would count half the
+    documents twice); one of another version of the source file (another fingerprint) that the new
+    one does not cover (two file versions would be merged into one source); any entry of the same
+    (model, checkpoint) made from other weights (another `model_identity`)."""
+    keys = {e["key"] for e in entries}
+    replaced: dict[str, dict] = {}
+    conflicts: dict[str, tuple[dict, str]] = {}
+    for new in entries:
+        ident = _identity(new)
+        for old in manifest["entries"].values():
+            if old["kind"] not in ("data", "params") or (old["model"], old["checkpoint"]) != (new["model"], new["checkpoint"]):
+                continue
+            if ident and _identity(old) and _identity(old) != ident and old["key"] not in conflicts:
+                conflicts[old["key"]] = (old, "weights")
+                continue
+            if new["kind"] != "data" or old["kind"] != "data" or old["source"] != new["source"] or old["key"] in keys:
+                continue
+            a, b = shard_of(new), shard_of(old)
+            fp_new = new.get("provenance", {}).get("source_fingerprint")
+            fp_old = old.get("provenance", {}).get("source_fingerprint")
+            if covers(a, b):
+                replaced[old["key"]] = old
+            elif overlaps(a, b):
+                conflicts.setdefault(old["key"], (old, "shard"))
+            elif fp_new and fp_old and fp_new != fp_old:
+                conflicts.setdefault(old["key"], (old, "file"))
+    return [e for k, e in replaced.items() if k not in conflicts], list(conflicts.values())
+
+
+def conflict_line(conflicts: list[tuple[dict, str]]) -> str:
+    """One line naming the first conflict (and how many more), and the ways out."""
+    old, why = conflicts[0]
+    what = f"{old['model']}@{old['checkpoint']}"
+    shard = "/".join(map(str, shard_of(old)))
+    more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+    replace = "pass --replace (a sweep file: replace = true) to drop"
+    if why == "weights":
+        where = old.get("provenance", {}).get("model_location") or "another location"
+        return (f"the warehouse holds {what} from other weights ({where}, identity {_identity(old)}){more}; "
+                f"give this model another name with --name, or {replace} what holds the other weights")
+    if why == "file":
+        return (f"source {old['source']} of {what} holds shard {shard} of another version of its file "
+                f"(fingerprint {old.get('provenance', {}).get('source_fingerprint')}){more}; re-extract the whole "
+                f"source (--shard 1/1), give it another source name, or {replace} the old shards")
+    return (f"source {old['source']} of {what} holds shard {shard}, which shares documents with this shard but "
+            f"is not covered by it{more}; re-extract with --shard {shard} (or one that covers it), or {replace} "
+            "it (then extract the other shards of the new sharding)")
+
+
+def check_conflicts(manifest: dict, entries: list[dict]) -> None:
+    """Before any forward pass: the conflicts `commit` would refuse (without --replace)."""
+    _, conflicts = replacements(manifest, entries)
+    if conflicts:
+        raise UserError(conflict_line(conflicts))
+
+
+def empty_groups(manifest: dict, entries: list[dict], dropped: list[dict]) -> list[str]:
+    """Merged entries left without partials once `dropped` go and `entries` come."""
+    keys = {e["key"] for e in dropped} - {e["key"] for e in entries}
+    after = [e for e in manifest["entries"].values() if e["kind"] == "data" and e["key"] not in keys] + \
+        [e for e in entries if e["kind"] == "data"]
+    live = {(e["model"], e["checkpoint"], g) for e in after for g in (e["source"], ALL)}
+    out = []
+    for e in dropped:
+        if e["kind"] != "data":
+            continue
+        for g in (e["source"], ALL):
+            k = group_key(e["model"], e["checkpoint"], g)
+            if (e["model"], e["checkpoint"], g) not in live and k in manifest["entries"] and k not in out:
+                out.append(k)
     return out
 
 
@@ -745,14 +866,17 @@ def _pairs_touched(records: list[dict]) -> set[tuple[str, str]]:
     return out | {tuple(json.loads(k)[1:3]) for r in records for k in r["remove"]}
 
 
-def commit(root, entries: list[dict], max_tries: int = 1000) -> list[str]:
+def commit(root, entries: list[dict], max_tries: int = 1000, replace: bool = False) -> list[str]:
     """Publish params and data entries together with the merged entries of every group they touch,
-    in one commit record; returns the files no entry lists any more (deleted).  No lock: when
+    in one commit record; returns the files no entry lists any more (deleted).  Partials the new
+    ones cover are replaced (`replacements`); one that conflicts (an overlapping shard, another
+    version of the source file, other weights under the model's name) stops the commit with one
+    line, or with `replace` is dropped in the same record.  No lock: when
     another writer committed first, the merged files are folded again on top of its state if it
     touched the same (model, checkpoint), else the same files are published on top of it."""
     root = open_storage(root)
     data = [e for e in entries if e["kind"] == "data"]
-    pairs = {(e["model"], e["checkpoint"]) for e in data}
+    pairs = {(e["model"], e["checkpoint"]) for e in entries}
     seq, manifest = store.read_state(root)
     merged: list[dict] | None = None
     for _ in range(max_tries):
@@ -760,7 +884,15 @@ def commit(root, entries: list[dict], max_tries: int = 1000) -> list[str]:
             store.check_compatible(manifest, e["model"], e["hidden_size"])
         if merged is None:
             try:
-                merged = fold(root, manifest, data)
+                for model, checkpoint in sorted({(e["model"], e["checkpoint"]) for e in data}):
+                    check_open(manifest, model, checkpoint)  # a compacted checkpoint: that line first
+                dropped, conflicts = replacements(manifest, entries)
+                if conflicts and not replace:
+                    raise UserError(conflict_line(conflicts))
+                dropped += [x for x, _ in conflicts]
+                merged = fold(root, manifest, data, dropped)
+                remove = sorted({x["key"] for x in dropped} - {e["key"] for e in entries}) + \
+                    empty_groups(manifest, entries, dropped)
             except FileNotFoundError as e:  # a writer that committed meanwhile replaced a merged file
                 latest, _ = store.changes_since(root, seq)
                 if latest == seq:
@@ -770,7 +902,7 @@ def commit(root, entries: list[dict], max_tries: int = 1000) -> list[str]:
                 continue
         try:
             faults.hit("merge")  # merged files written, commit record not yet
-            stale = store.publish(root, seq, manifest, entries + merged)
+            stale = store.publish(root, seq, manifest, entries + merged, remove)
         except BaseException:
             _discard_unless_committed(root, merged)
             raise

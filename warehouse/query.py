@@ -248,9 +248,77 @@ def connect(root="warehouse") -> duckdb.DuckDBPyConnection:
         raise UserError(f"{root}: merged tables do not match the partials for {len(stale) + len(extra)} group(s); "
                         "run `python cli.py validate --warehouse ... --fix`")
     con = duckdb.connect()
-    for stmt in all_view_sql(root, manifest, con):
-        con.execute(stmt)
+    try:
+        for stmt in all_view_sql(root, manifest, con):
+            con.execute(stmt)
+    except duckdb.Error as e:
+        con.close()
+        raise UserError(duckdb_error_line(e)) from None
+    read_only(con, _listed_paths(root, manifest))
     return con
+
+
+def duckdb_error_line(e: Exception) -> str:
+    """A DuckDB error as one line; a file the manifest lists but that is gone is named as such."""
+    text = " ".join(str(e).split())
+    m = re.search(r'No files found that match the pattern "([^"]+)"', text)
+    if m:
+        return f"{m.group(1)}: listed in the manifest but missing (run `python cli.py validate`)"
+    return text[:400]
+
+
+# ---------------------------------------------------------------- read-only connections
+
+READ_ONLY_SETTINGS = (  # set after the views are bound, in this order; lock_configuration last
+    "SET autoinstall_known_extensions = false", "SET autoload_known_extensions = false",
+    "SET allow_community_extensions = false", "SET allow_persistent_secrets = false",
+    "SET enable_external_access = false", "SET lock_configuration = true")
+
+
+def _listed_paths(root, manifest: dict) -> list[str]:
+    """The local files the views read with read_parquet (a warehouse on S3 is read through pyarrow
+    datasets registered in the connection: DuckDB itself opens no file)."""
+    st = open_storage(root)
+    if not st.local:
+        return []
+    return sorted({st.uri(f) for e in manifest["entries"].values() for f in e["files"].values()})
+
+
+def read_only(con: duckdb.DuckDBPyConnection, paths: list[str]) -> None:
+    """Lock a connection whose views are bound: DuckDB may open only `paths` (the files the manifest
+    lists), installs and loads no extension, and its configuration cannot be changed again — so a
+    query cannot create, delete or reach any other file (COPY … TO, ATTACH, EXPORT DATABASE, INSTALL,
+    LOAD, read_csv('/etc/…') fail with DuckDB's Permission Error).  DuckDB's allow-list is for reading
+    *and* writing: a `COPY … TO '<a listed file>' (USE_TMP_FILE false)` could still overwrite one of
+    those files, so text from a user is first checked by `check_read_only` (cli.py sql, `sql()`)."""
+    if paths:
+        con.execute("SET allowed_paths = [" + ", ".join(_sql_str(p) for p in paths) + "]")
+    for stmt in READ_ONLY_SETTINGS:
+        con.execute(stmt)
+
+
+def check_read_only(query: str) -> None:
+    """Refuse (UserError) any statement of `query` that is not a query: only SELECT (WITH, FROM …,
+    VALUES, DESCRIBE, SHOW, SUMMARIZE are SELECTs to DuckDB) and EXPLAIN of a SELECT pass."""
+    try:
+        statements = duckdb.extract_statements(query)
+    except duckdb.Error as e:
+        raise UserError(" ".join(str(e).split())) from None
+    for s in statements:
+        kind = s.type
+        if kind == duckdb.StatementType.EXPLAIN:  # EXPLAIN ANALYZE runs its statement: it must be a query too
+            inner = re.sub(r"^\s*EXPLAIN\s+(ANALY[SZ]E\s+)?", "", s.query, flags=re.IGNORECASE)
+            try:
+                kinds = [t.type for t in duckdb.extract_statements(inner)]
+            except duckdb.Error:  # EXPLAIN (FORMAT …) and the like: refused rather than parsed here
+                kinds = []
+            if kinds == [duckdb.StatementType.SELECT]:
+                continue
+        elif kind == duckdb.StatementType.SELECT:
+            continue
+        text = " ".join(s.query.split())
+        raise UserError(f"queries are read-only: {kind.name} statement refused "
+                        f"({text[:60] + ('…' if len(text) > 60 else '')})")
 
 
 def sql(query: str, warehouse: str | Path = "warehouse"):
@@ -258,6 +326,7 @@ def sql(query: str, warehouse: str | Path = "warehouse"):
 
     Example: sql("SELECT * FROM inter_sim ORDER BY model, layer", "warehouse")
     """
+    check_read_only(query)
     con = connect(warehouse)
     try:
         return con.sql(query).pl()

@@ -16,12 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import altair as alt
+import duckdb
 import polars as pl
 
 from isotropy_warehouse.progress import progress
 
+from isotropy_warehouse.errors import UserError
+
 from . import store
-from .query import connect
+from .query import connect, duckdb_error_line
 from .storage import open_storage
 
 # Okabe & Ito's colour-blind-safe palette (black last).
@@ -81,7 +84,10 @@ class Data:
         return (" WHERE " + " AND ".join(conds)) if conds else ""
 
     def q(self, sql: str) -> pl.DataFrame:
-        return self.con.sql(sql).pl()
+        try:
+            return self.con.sql(sql).pl()
+        except duckdb.Error as e:  # a file gone or damaged since the views were bound: one line, no traceback
+            raise UserError(duckdb_error_line(e)) from None
 
     def final(self, name: str, extra: str = "", order: str = "") -> pl.DataFrame:
         """Rows of each model's final checkpoint: 'main' if present, else the largest step."""
@@ -739,7 +745,7 @@ window.__errors = [];
 
 def _meta(d: Data, warehouse) -> dict:
     def column(sql: str) -> list:
-        return [r[0] for r in d.con.execute(sql).fetchall()]
+        return d.q(sql).to_series(0).to_list()  # through Data.q: a DuckDB error is one line
 
     data_runs = d.where("kind = 'data'")
     excluded = d.where("source = 'all' AND (n_nonfinite > 0 OR n_zero > 0)")

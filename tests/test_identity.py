@@ -1,0 +1,383 @@
+"""Identity is content, not names; queries are read-only; the one-line outcomes of issue 34's list.
+
+A partial covers the documents of its shard (index ≡ I − 1 mod N): re-sharding a source replaces
+what the new shard covers and is refused (one line, nothing written) where it only overlaps; two
+different weights under one model name are refused, the same weights from another path accepted;
+`sql` and `connect()` cannot create, change or delete a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+
+import tiny
+from conftest import ROOT, run_cli, same_numbers, views
+
+ARGS = ["--max-length", "32", "--batch-size", "2"]
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file and directory under root: its bytes' hash (a directory: 'dir')."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        out[str(p.relative_to(root))] = "dir" if p.is_dir() else hashlib.blake2b(p.read_bytes()).hexdigest()
+    return out
+
+
+def one_line_error(code: int, err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def model(model_factory):
+    return model_factory("gpt_neox", tied=False)
+
+
+def extract(model, wh, *extra, source=None):
+    return run_cli("extract", "--model", model, "--source", source, *ARGS, "--warehouse", wh, *extra)
+
+
+def n_of(wh) -> list:
+    from warehouse.query import connect
+
+    con = connect(wh)
+    rows = con.execute("SELECT source, layer, n FROM layer_totals ORDER BY source, layer").fetchall()
+    con.close()
+    return rows
+
+
+# ---------------------------------------------------------------- shards: coverage by definition
+
+
+def test_shard_coverage_matches_the_documents_it_names():
+    """covers/overlaps against the sets of document indices shard I of N takes (index mod N = I − 1)."""
+    from warehouse.merge import covers, overlaps
+
+    def docs(i, n, total):
+        return {d for d in range(total) if d % n == i - 1}
+
+    shards = [(i, n) for n in range(1, 7) for i in range(1, n + 1)]
+    for a in shards:
+        for b in shards:
+            total = 2 * math.lcm(a[1], b[1])  # every residue pattern occurs
+            A, B = docs(*a, total), docs(*b, total)
+            assert covers(a, b) == (B <= A), (a, b)
+            assert overlaps(a, b) == bool(A & B), (a, b)
+
+
+@pytest.fixture(scope="module")
+def clean(model, sources, tmp_path_factory):
+    """Clean warehouses: alpha as 1/1, and as 1/2 + 2/2."""
+    d = tmp_path_factory.mktemp("clean")
+    src = f"alpha={sources['alpha']}"
+    assert extract(model, d / "whole", source=src)[0] == 0
+    assert extract(model, d / "halves", "--shard", "1/2", source=src)[0] == 0
+    assert extract(model, d / "halves", "--shard", "2/2", source=src)[0] == 0
+    return {"whole": views(d / "whole"), "halves": views(d / "halves"), "n": n_of(d / "whole")}
+
+
+def test_reshard_whole_to_halves_replaces_and_never_double_counts(model, sources, clean, tmp_path):
+    wh, src = tmp_path / "wh", f"alpha={sources['alpha']}"
+    assert extract(model, wh, source=src)[0] == 0
+    before = tree(wh)
+    code, _, err = extract(model, wh, "--shard", "1/2", source=src)  # overlaps 1/1 without covering it
+    line = one_line_error(code, err)
+    assert "alpha" in line and "shard 1/1" in line and "--replace" in line
+    assert tree(wh) == before  # refused before any forward pass: nothing written
+    assert extract(model, wh, "--shard", "1/2", "--replace", source=src)[0] == 0  # 1/1 dropped in the same record
+    assert extract(model, wh, "--shard", "2/2", source=src)[0] == 0
+    assert n_of(wh) == clean["n"]  # not doubled
+    same_numbers(views(wh), clean["halves"])
+    assert views(wh)["shards"] == clean["halves"]["shards"]
+
+
+def test_reshard_halves_to_whole_replaces_both(model, sources, clean, tmp_path):
+    wh, src = tmp_path / "wh", f"alpha={sources['alpha']}"
+    assert extract(model, wh, "--shard", "1/2", source=src)[0] == 0
+    assert extract(model, wh, "--shard", "2/2", source=src)[0] == 0
+    assert extract(model, wh, source=src)[0] == 0  # 1/1 covers 1/2 and 2/2: both replaced
+    assert n_of(wh) == clean["n"]
+    same_numbers(views(wh), clean["whole"])
+    assert views(wh)["shards"] == clean["whole"]["shards"]
+    assert run_cli("validate", "--warehouse", wh)[0] == 0
+
+
+def test_overlapping_shards_of_another_sharding_are_refused(model, sources, tmp_path):
+    """1/2 then 1/3: they share documents 0, 6, 12, …; neither covers the other."""
+    wh, src = tmp_path / "wh", f"alpha={sources['alpha']}"
+    assert extract(model, wh, "--shard", "1/2", source=src)[0] == 0
+    before = tree(wh)
+    line = one_line_error(*extract(model, wh, "--shard", "1/3", source=src)[::2])
+    assert "shard 1/2" in line
+    assert tree(wh) == before
+    assert extract(model, wh, "--shard", "2/4", source=src)[0] == 0  # disjoint from 1/2: added
+
+
+def test_a_changed_source_file_is_refused_unless_it_replaces_every_shard(model, sources, tmp_path):
+    wh = tmp_path / "wh"
+    changed = tmp_path / "alpha.txt"
+    changed.write_text(sources["alpha"].read_text() + "one more document about something else\n")
+    assert extract(model, wh, "--shard", "1/2", source=f"alpha={sources['alpha']}")[0] == 0
+    before = tree(wh)
+    line = one_line_error(*extract(model, wh, "--shard", "2/2", source=f"alpha={changed}")[::2])
+    assert "another version" in line and "alpha" in line
+    assert tree(wh) == before
+    assert extract(model, wh, source=f"alpha={changed}")[0] == 0  # the whole source again: replaces
+
+
+# ---------------------------------------------------------------- same-named models
+
+
+def test_same_name_other_weights_refused_same_weights_elsewhere_accepted(sources, tmp_path):
+    a = tiny.make_model(tmp_path / "a" / "model", "gpt_neox", False, seed=0)
+    b = tiny.make_model(tmp_path / "b" / "model", "gpt_neox", False, seed=1)
+    c = tmp_path / "c" / "model"
+    shutil.copytree(a, c)
+    wh, src = tmp_path / "wh", f"alpha={sources['alpha']}"
+    assert extract(a, wh, source=src)[0] == 0
+    before = tree(wh)
+    line = one_line_error(*extract(b, wh, source=f"beta={sources['beta']}")[::2])
+    assert "other weights" in line and "--name" in line and "model@main" in line
+    assert tree(wh) == before
+    assert extract(c, wh, source=f"beta={sources['beta']}")[0] == 0  # the same bytes from another path
+    assert extract(b, wh, "--name", "model-b", source=src)[0] == 0
+    from warehouse.query import connect
+
+    con = connect(wh)
+    got = con.execute("SELECT model, source, shard FROM runs WHERE kind = 'data' ORDER BY ALL").fetchall()
+    con.close()
+    assert got == [("model", "alpha", "1-of-1"), ("model", "beta", "1-of-1"), ("model-b", "alpha", "1-of-1")]
+
+
+def test_weights_fingerprint_reads_content_not_names(tmp_path):
+    from extract.models import content_fingerprint
+
+    big = os.urandom((1 << 20) + 20 * (1 << 16) + 5)  # larger than what is read whole: sampled
+    for d in ("x", "y", "z"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "model.safetensors").write_bytes(big)
+    flipped = bytearray(big)
+    flipped[(1 << 20) + 3] ^= 1  # inside the first sampled block
+    (tmp_path / "z" / "model.safetensors").write_bytes(bytes(flipped))
+    assert content_fingerprint(tmp_path / "x") == content_fingerprint(tmp_path / "y")
+    assert content_fingerprint(tmp_path / "x") != content_fingerprint(tmp_path / "z")
+
+
+# ---------------------------------------------------------------- read-only queries
+
+
+@pytest.fixture(scope="module")
+def wh(model, sources, tmp_path_factory):
+    wh = tmp_path_factory.mktemp("ro") / "wh"
+    assert extract(model, wh, source=f"alpha={sources['alpha']}")[0] == 0
+    return wh
+
+
+def _forbidden(wh: Path, tmp: Path) -> list[str]:
+    listed = next((wh / "tables" / "token_stats").rglob("*.parquet"))
+    return [
+        f"COPY (SELECT 1 AS x) TO '{wh}/_log/00000000000000000009.json' (FORMAT json)",
+        f"COPY (SELECT 42 AS x) TO '{listed}' (FORMAT parquet, USE_TMP_FILE false)",
+        f"COPY (SELECT 1 AS x) TO '{tmp}/out.csv'",
+        f"ATTACH '{tmp}/db.duckdb'",
+        f"EXPORT DATABASE '{tmp}/export'",
+        "INSTALL httpfs",
+        "LOAD httpfs",
+        "SET enable_external_access = true",
+        "CREATE TABLE t AS SELECT 1",
+        f"SELECT 1; COPY (SELECT 1) TO '{tmp}/two.csv'",
+        f"EXPLAIN ANALYZE COPY (SELECT 1) TO '{tmp}/explained.csv'",
+        "SELECT * FROM read_csv('/etc/passwd')",
+        f"SELECT * FROM read_text('{wh}/manifest.json')",
+    ]
+
+
+def test_sql_refuses_every_writing_statement_in_one_line(wh, tmp_path):
+    before, outside = tree(wh), tree(tmp_path)
+    for q in _forbidden(wh, tmp_path):
+        code, out, err = run_cli("sql", q, "--warehouse", wh)
+        one_line_error(code, err)
+        assert tree(wh) == before, q
+        assert tree(tmp_path) == outside, q
+    code, out, _ = run_cli("sql", "SELECT count(*) AS n FROM inter_sim", "--warehouse", wh, "--format", "csv")
+    assert code == 0 and out.splitlines()[1] != "0"
+    assert run_cli("sql", "EXPLAIN SELECT * FROM inter_sim", "--warehouse", wh)[0] == 0
+
+
+def test_connect_connections_cannot_write_reach_files_or_load_extensions(wh, tmp_path):
+    from warehouse.query import connect
+
+    before, outside = tree(wh), tree(tmp_path)
+    con = connect(wh)
+    for q in _forbidden(wh, tmp_path)[2:]:
+        if q.startswith(("CREATE TABLE", "SELECT 1;", "EXPLAIN")):
+            continue  # in-memory tables and the like: harmless on a connection (sql() refuses them)
+        with pytest.raises(duckdb.Error):
+            con.execute(q)
+    assert con.execute("SELECT count(*) FROM inter_sim").fetchone()[0] > 0  # the views still read
+    con.close()
+    assert tree(wh) == before and tree(tmp_path) == outside
+
+
+def test_python_sql_refuses_writes(wh, tmp_path):
+    from isotropy_warehouse.errors import UserError
+    from warehouse.query import sql
+
+    with pytest.raises(UserError, match="read-only"):
+        sql(f"COPY (SELECT 1) TO '{tmp_path}/x.csv'", wh)
+    assert not (tmp_path / "x.csv").exists()
+    assert sql("SELECT count(*) AS n FROM inter_sim", wh)["n"][0] > 0
+
+
+# ---------------------------------------------------------------- one line, not a traceback
+
+
+def test_report_with_a_missing_listed_file_is_one_line(model, sources, tmp_path):
+    wh = tmp_path / "wh"
+    assert extract(model, wh, source=f"alpha={sources['alpha']}")[0] == 0
+    next((wh / "tables" / "token_stats").rglob("*.parquet")).unlink()
+    for args in (("report", "--out", tmp_path / "rep"), ("sql", "SELECT * FROM intra_sim")):
+        line = one_line_error(*run_cli(*args, "--warehouse", wh)[::2])
+        assert "listed in the manifest but missing" in line and "token_stats" in line
+
+
+def _jsonl(path: Path, texts: list[str]) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def test_a_lone_surrogate_escape_is_one_line_or_counted(model, tmp_path):
+    src = tmp_path / "s.jsonl"
+    src.write_text('{"text": "a fine line of text"}\n{"text": "bad \\ud800 escape here"}\n{"text": "more text"}\n')
+    wh = tmp_path / "wh"
+    line = one_line_error(*extract(model, wh, source=f"s={src}")[::2])
+    assert f"{src}:2" in line and "surrogate" in line
+    assert not (wh / "_log").exists()
+    code, _, err = extract(model, wh, "--encoding-errors", "skip", source=f"s={src}")
+    assert code == 0, err
+    from warehouse.query import connect
+
+    con = connect(wh)
+    assert con.execute("SELECT documents, stats FROM runs WHERE kind = 'data'").fetchone()[0] == 2
+    con.close()
+
+
+def test_a_missing_tokenizer_is_named(model, sources, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in model.iterdir():
+        if f.name.endswith((".safetensors", "config.json")) and not f.name.startswith("tokenizer"):
+            shutil.copy(f, bare / f.name)
+    line = one_line_error(*extract(bare, tmp_path / "wh", source=f"alpha={sources['alpha']}")[::2])
+    assert "tokenizer" in line and "no tokens to process" not in line
+
+
+def test_a_text_column_that_is_not_text_is_named(model, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src = tmp_path / "ints.parquet"
+    pq.write_table(pa.table({"text": [1, 2, 3]}), src)
+    line = one_line_error(*extract(model, tmp_path / "wh", source=f"n={src}")[::2])
+    assert "'text' holds int64, not text" in line
+
+
+# ---------------------------------------------------------------- signals and failures after the record
+
+
+def _cli(args, action=None, fault=None, timeout=300):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if fault:
+        env.update(ISO_FAULT=fault, ISO_FAULT_ACTION=action)
+    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def _args(model, sources, wh):
+    return ["extract", "--model", model, "--source", f"alpha={sources['alpha']}", "--source",
+            f"beta={sources['beta']}", *ARGS, "--warehouse", wh]
+
+
+def _lines(err: str) -> list[str]:
+    return [line for line in err.replace("\r", "\n").splitlines() if line.startswith(("error:", "warning:"))]
+
+
+def test_sigint_during_extract_is_one_line_exit_130_and_leaves_nothing(model, sources, tmp_path):
+    wh = tmp_path / "wh"
+    r = _cli(_args(model, sources, wh), "int", "forward:3")  # Ctrl-C at the 3rd forward pass (after the params)
+    assert r.returncode == 130, r.stderr
+    assert "terminate called" not in r.stderr and "Traceback" not in r.stderr
+    assert _lines(r.stderr) == [f"error: interrupted: nothing of {model.name}@main was committed"]
+    assert not wh.exists() or tree(wh) == {}  # no file, no empty partition folder
+
+
+def test_failure_after_model_load_leaves_no_empty_folders(model, tmp_path):
+    src = _jsonl(tmp_path / "blank.jsonl", ["   ", "\t"])  # no tokens: fails after the parameter tables
+    wh = tmp_path / "wh"
+    line = one_line_error(*extract(model, wh, source=f"b={src}")[::2])
+    assert "no tokens to process" in line
+    assert not wh.exists() or tree(wh) == {}
+
+
+def test_sigint_after_the_record_says_the_commit_landed(model, sources, tmp_path, clean_two):
+    wh = tmp_path / "wh"
+    r = _cli(_args(model, sources, wh), "int", "views")  # after the record, before the companions
+    assert r.returncode == 130, r.stderr
+    assert _lines(r.stderr) == [f"error: interrupted after {model.name}@main was committed (generation 1); its data is in "
+                                "the warehouse (views.sql, runs.parquet and manifest.json are rewritten by the next "
+                                "query)"]
+    same_numbers(views(wh), clean_two)
+
+
+def test_disk_full_after_the_record_is_a_warning_that_the_commit_landed(model, sources, tmp_path, clean_two):
+    wh = tmp_path / "wh"
+    r = _cli(_args(model, sources, wh), "enospc", "views")
+    assert r.returncode == 0, r.stderr
+    (line,) = _lines(r.stderr)
+    assert line.startswith(f"warning: {model.name}@main was committed (generation 1), but a step after its record failed "
+                           "([Errno 28] No space left on device)")
+    same_numbers(views(wh), clean_two)
+    assert run_cli("validate", "--warehouse", wh)[0] == 0
+
+
+@pytest.fixture(scope="module")
+def clean_two(model, sources, tmp_path_factory):
+    wh = tmp_path_factory.mktemp("two") / "wh"
+    assert run_cli(*_args(model, sources, wh))[0] == 0
+    return views(wh)
+
+
+def test_a_sweep_file_whose_shards_changed_never_double_counts(model, sources, clean, tmp_path):
+    wh, config = tmp_path / "wh", tmp_path / "sweep.toml"
+
+    def sweep(shards: int, extra: str = ""):
+        config.write_text(f'warehouse = "{wh}"\nmodels = ["{model}"]\nshards = {shards}\n\n[sources]\n'
+                          f'alpha = "{sources["alpha"]}"\n\n[settings]\nmax_length = 32\nbatch-size = 2\n{extra}')
+        return run_cli("sweep", config)
+
+    assert sweep(1)[0] == 0
+    before = tree(wh)
+    code, _, err = sweep(2)  # 1/2 overlaps 1/1: refused, nothing written (the plan's line comes first)
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "shard 1/1" in errors[0] and "replace = true" in errors[0], err
+    assert tree(wh) == before
+    code, _, err = sweep(2, "replace = true\n")
+    assert code == 0, err
+    assert n_of(wh) == clean["n"]
+    same_numbers(views(wh), clean["halves"])
+    assert sweep(1)[0] == 0  # back to 1/1: it covers both halves
+    assert n_of(wh) == clean["n"] and views(wh)["shards"] == clean["whole"]["shards"]
