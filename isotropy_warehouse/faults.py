@@ -1,7 +1,10 @@
 """Fault injection for the reliability tests: `ISO_FAULT=point[:n]` kills the process with
 SIGKILL the n-th time (default 1st) execution reaches `point`.  Unset, `hit()` is one dict
 lookup.  Points: read, forward, write, close, merge (merged files written, manifest not yet),
-manifest, views, gc, compact."""
+manifest, views, gc, compact, lease (before a writer's lease is created), release (record
+created, lease not yet removed), quarantine (before validate --fix moves a file), move (S3: copied
+into the quarantine, original not yet deleted), pause (merged files written, record not yet: waits
+while the file named by ISO_PAUSE_FILE exists — the race tests' writer held in flight)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,19 @@ _COUNT = {"n": int(_N) if _N else 1}
 
 
 def hit(point: str) -> None:
+    if point == "merge" and os.environ.get("ISO_PAUSE_FILE"):
+        _pause(os.environ["ISO_PAUSE_FILE"])
     if _POINT and point == _POINT:
         _COUNT["n"] -= 1
         if _COUNT["n"] <= 0:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _pause(flag: str) -> None:
+    """Announce the pause (flag + '.reached') and wait while `flag` exists (at most 10 minutes)."""
+    import time
+
+    open(flag + ".reached", "w").close()
+    deadline = time.monotonic() + 600
+    while os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)

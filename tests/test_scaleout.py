@@ -59,7 +59,7 @@ def test_torchrun_rank_killed_then_rerun_counts_once(single, workdir):
     same_numbers(got, single["views"])
     code, out, _ = run_cli("validate", "--warehouse", wh)
     assert code == 1 and "not listed in the manifest" in out  # the killed rank's files: never visible
-    assert run_cli("validate", "--warehouse", wh, "--fix")[0] == 0
+    assert run_cli("validate", "--warehouse", wh, "--fix", "--grace", "0")[0] == 0
     assert run_cli("validate", "--warehouse", wh)[0] == 0
 
 
