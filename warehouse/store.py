@@ -161,6 +161,19 @@ def _record_problem(rec) -> str | None:
     return None
 
 
+def record_digest(rec: dict) -> str:
+    """blake2b of a record's canonical JSON without its "digest" field."""
+    import hashlib
+
+    body = json.dumps({k: v for k, v in rec.items() if k != "digest"}, sort_keys=True).encode()
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
+
+
+def record_bytes(rec: dict) -> bytes:
+    """A record as `publish` writes it (validate compares the stored bytes with this)."""
+    return json.dumps(rec, sort_keys=True).encode()
+
+
 def _read_record(st: Storage, seq: int) -> dict:
     rel = f"{LOG_DIR}/{_record_name(seq)}"
     try:
@@ -170,6 +183,8 @@ def _read_record(st: Storage, seq: int) -> dict:
     except (OSError, ValueError) as e:
         raise UserError(f"{st.display(rel)}: damaged commit record (not JSON: {str(e)[:120]}); {_RESTORE}") from None
     problem = _record_problem(rec)
+    if not problem and "digest" in rec and rec["digest"] != record_digest(rec):
+        problem = "its content does not match its digest"
     if problem:
         raise UserError(f"{st.display(rel)}: damaged commit record ({problem}); {_RESTORE}")
     return rec
@@ -326,12 +341,13 @@ def publish(root, base_seq: int, manifest: dict, entries: list[dict], remove: li
               "put": list(entries), "remove": list(remove)}
     if seq == 1 or seq % SNAPSHOT_EVERY == 0:
         record["manifest"] = {**new, "generation": seq}
+    record["digest"] = record_digest(record)  # a changed byte that still parses is a damaged record too
     faults.hit("manifest")
     if companions_ahead(st, base_seq) is not None:  # never create a record over a lost one
         if st.exists(f"{LOG_DIR}/{_record_name(seq)}"):
             return None  # only another writer's commit: re-read and try again
         latest_seqs(st)  # raises the lost-record line
-    if not st.create_if_absent(f"{LOG_DIR}/{_record_name(seq)}", json.dumps(record, sort_keys=True).encode()):
+    if not st.create_if_absent(f"{LOG_DIR}/{_record_name(seq)}", record_bytes(record)):
         return None
     new["generation"] = seq
     manifest.clear()

@@ -23,6 +23,7 @@ What `--fix` does, and what it never does:
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import re
 import secrets
 import time
@@ -30,6 +31,7 @@ from typing import Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from isotropy_warehouse import faults
 from isotropy_warehouse.errors import UserError
@@ -101,11 +103,15 @@ def purge(root, say: Callable[[str], None] = print) -> list[str]:
 
 
 def _check_log(st: Storage, files: list[str], leases: dict) -> list[int]:
-    """The commit log's records, every one readable and well-formed, contiguous, not behind a
-    companion; a folder with tables/ but no record only if its files are provably a killed first run's."""
+    """The commit log's records, every one readable and well-formed (byte for byte as publish wrote
+    it), contiguous, not behind a companion; a folder with tables/ but no record only if its files
+    are provably a killed first run's."""
     seqs = store.latest_seqs(st, full=True)  # a gap or a lost latest record: one line, nothing touched
     for seq in seqs:
-        store._read_record(st, seq)  # a damaged record: one line naming it
+        rec = store._read_record(st, seq)  # a damaged record: one line naming it
+        rel = f"{store.LOG_DIR}/{store._record_name(seq)}"
+        if st.read_bytes(rel) != store.record_bytes(rec):  # e.g. a changed space: parses to the same
+            raise UserError(f"{st.display(rel)}: damaged commit record (its bytes are not as written); {store._RESTORE}")
     if not seqs and files and not all(store.run_of(rel) in leases for rel in files):
         raise UserError(f"{st}: holds tables/ but no readable commit log ({store.LOG_DIR}/ missing or empty): "
                         "not a complete warehouse (a partial copy or restore?); nothing was changed — "
@@ -199,7 +205,72 @@ def validate(root, fix: bool = False, grace_s: float = GRACE_S, say: Callable[[s
                 say(f"rebuilt the merged tables of {k} from its partials" if k in want else f"removed {k}")
             return validate(root, fix=False, grace_s=grace_s, now=now)  # everything again, on the new record
     problems += [msg for k, msg in bad if k not in bad_entries]  # a damaged merged file: reported above
-    query.refresh_companions(root)  # runs.parquet and views.sql are caches of the manifest, as in connect()
+    problems += _companions(root, manifest, fix, say)
+    return problems
+
+
+class _Capture(Storage):
+    """`inner` for reading; what is written to it is kept in `written` instead (the bytes a companion
+    should have)."""
+
+    def __init__(self, inner: Storage):
+        self.inner, self.written = inner, {}
+        self.url, self.fs, self.local = inner.url, inner.fs, inner.local
+
+    def __getattribute__(self, name):
+        if name in ("inner", "written", "url", "fs", "local", "replace", "__class__", "__dict__"):
+            return object.__getattribute__(self, name)
+        return getattr(object.__getattribute__(self, "inner"), name)
+
+    def replace(self, rel: str, data: bytes) -> None:
+        self.written[rel] = data
+
+
+def _generation_of(rel: str, data: bytes) -> int | None:
+    """The generation a companion's bytes say they were written from (None: unreadable)."""
+    try:
+        if rel == store.MANIFEST:
+            return int(json.loads(data)["generation"])
+        if rel == store.RUNS_FILE:
+            return int(pq.read_schema(pa.BufferReader(data)).metadata[b"generation"])
+        m = re.match(rb"-- generation (\d+) ", data)
+        return int(m.group(1)) if m else None
+    except Exception:
+        return None
+
+
+def _companions(root: Storage, manifest: dict, fix: bool, say) -> list[str]:
+    """manifest.json, runs.parquet and views.sql against what the log says they hold.  Missing or
+    behind the log (a writer died between its record and them): rewritten, as every query does.
+    Claiming the latest generation (or none) but differing: reported, and rewritten by --fix."""
+    if manifest["entries"]:
+        cap = _Capture(root)
+        store.write_companions(cap, manifest)
+        query.write_views_file(cap, manifest)
+        written = cap.written
+    else:
+        written = {}
+    problems = []
+    for rel, want in written.items():
+        try:
+            got = root.read_bytes(rel)
+        except FileNotFoundError:
+            continue
+        gen = _generation_of(rel, got)
+        if got == want or (gen is not None and gen < manifest["generation"]):
+            continue
+        if rel == store.RUNS_FILE and gen == manifest["generation"]:  # Parquet bytes may differ: compare tables
+            try:
+                if root.read_table(rel).equals(store.runs_table(manifest)):
+                    continue
+            except Exception:
+                pass
+        if fix:
+            root.replace(rel, want)
+            say(f"rewrote {rel} from the commit log")
+        else:
+            problems.append(f"{rel}: differs from the commit log's state (a derived file; --fix rewrites it)")
+    query.refresh_companions(root)  # missing or behind the log: rewritten, as in connect()
     return problems
 
 
