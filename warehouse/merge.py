@@ -90,14 +90,15 @@ def repair_hint(entry: dict) -> str:
 def checked(root, entries: Iterable[dict | None]) -> Checked:
     """`root` whose reads of the entries' files verify them against their commit records' checksums
     first (each file once per process): a fold never reads a byte its record did not write."""
+    st = open_storage(root)
     expected = {}
     for e in entries:
         if e is None:
             continue
         sums = e.get("checksums") or {}
-        for rel in e["files"].values():
-            expected[rel] = (sums.get(rel), repair_hint(e))
-    return Checked(open_storage(root), expected)
+        for rel in e["files"].values():  # (a partial not yet committed: as this process wrote it)
+            expected[rel] = (sums.get(rel) or store.written_checksum(st, rel), repair_hint(e))
+    return Checked(st, expected)
 
 
 def is_compacted(manifest: dict, model: str, checkpoint: str) -> bool:

@@ -373,6 +373,11 @@ def with_checksums(st: Storage, entry: dict) -> dict:
     return {**entry, "checksums": sums}
 
 
+def written_checksum(st: Storage, rel: str) -> dict | None:
+    """The checksum of `rel` as this process wrote it (None: another process did, or none)."""
+    return _WRITTEN.get((st.url, rel))
+
+
 def run_of(rel: str) -> str | None:
     """The run id a table file (or its temporary) was written under, from its name."""
     m = _RUN_ID.search(rel.rsplit("/", 1)[-1])

@@ -239,6 +239,12 @@ def _generation_of(rel: str, data: bytes) -> int | None:
         return None
 
 
+def _paths_stripped(text: bytes) -> bytes:
+    """views.sql without the warehouse's location (its absolute paths or URLs, the "Open with" line)."""
+    text = re.sub(rb"'[^'\n]*?/((?:tables/|runs\.parquet)[^'\n]*)'", rb"'\1'", text)
+    return re.sub(rb"(?m)^-- Open with: .*$", b"", text)
+
+
 def _companions(root: Storage, manifest: dict, fix: bool, say) -> list[str]:
     """manifest.json, runs.parquet and views.sql against what the log says they hold.  Missing or
     behind the log (a writer died between its record and them): rewritten, as every query does.
@@ -259,6 +265,8 @@ def _companions(root: Storage, manifest: dict, fix: bool, say) -> list[str]:
         gen = _generation_of(rel, got)
         if got == want or (gen is not None and gen < manifest["generation"]):
             continue
+        if rel == store.VIEWS_FILE and _paths_stripped(got) == _paths_stripped(want):
+            continue  # written for this warehouse at another path (copied or moved): `views` rewrites it
         if rel == store.RUNS_FILE and gen == manifest["generation"]:  # Parquet bytes may differ: compare tables
             try:
                 if root.read_table(rel).equals(store.runs_table(manifest)):
