@@ -857,6 +857,7 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                 if rel not in committed:
                     with contextlib.suppress(Exception):  # a storage fault: an orphan for validate --fix
                         root.delete(rel)
+            store.release_leases(root, [run_id])  # its files are gone (or orphans, which --fix may now move)
             raise
         finally:
             del loaded
