@@ -458,17 +458,10 @@ class MissingFile(UserError, FileNotFoundError):
         return self.args[0]
 
 
-_VERIFIED: set[tuple[str, str, str]] = set()  # (warehouse, rel, digest) verified by this process
-
-
 def verify(st: "Storage", rel: str, want: dict | None, hint: str = "") -> None:
     """Raise one UserError line unless `rel` exists with the size and hash `want` (its commit
-    record's checksum; None: recorded before checksums existed, not verified).  Once per process
-    and file: a fold reads a verified file without hashing it again."""
+    record's checksum; None: recorded before checksums existed, not verified): one sequential read."""
     if not want:
-        return
-    key = (st.url, rel, want.get(HASH, ""))
-    if key in _VERIFIED:
         return
     try:
         size = st.size(rel) if st.exists(rel) else None
@@ -479,25 +472,26 @@ def verify(st: "Storage", rel: str, want: dict | None, hint: str = "") -> None:
         raise MissingFile(f"{st.display(rel)}: listed in the commit log but missing{tail}", st.display(rel))
     if size != want["size"]:
         raise UserError(f"{st.display(rel)}: {size} bytes, its commit record says {want['size']} "
-                        f"(the file changed){tail}")
+                        f"(the file changed since it was committed){tail}")
     got = checksum(st, rel)
     if got[HASH] != want[HASH]:
         raise UserError(f"{st.display(rel)}: content differs from its commit record's checksum "
                         f"(blake2b {got[HASH][:16]}…, recorded {want[HASH][:16]}…){tail}")
-    _VERIFIED.add(key)
 
 
 class Checked(Storage):
-    """`inner` whose reads of the files in `expected` (rel → (checksum, hint)) first verify them:
-    what a fold reads is what its commit record wrote, or the fold stops with one line."""
+    """`inner` whose reads of the files in `expected` (rel → (checksum, hint)) first verify them
+    (once per file and Checked: a fold reads a file layer by layer): what a fold reads is what its
+    commit record wrote, or the fold stops with one line."""
 
     def __init__(self, inner: "Storage", expected: dict[str, tuple[dict | None, str]]):
-        self.inner, self.expected = inner, expected
+        self.inner, self.expected, self._done = inner, expected, set()
         self.url, self.fs, self.local = inner.url, inner.fs, inner.local
 
     def _check(self, rel: str) -> None:
-        if rel in self.expected:
+        if rel in self.expected and rel not in self._done:
             verify(self.inner, rel, *self.expected[rel])
+            self._done.add(rel)
 
     @contextlib.contextmanager
     def input_stream(self, rel: str):
