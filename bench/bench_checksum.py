@@ -73,7 +73,7 @@ def main() -> None:
         size = os.path.getsize(os.path.join(tmp, rels[-1]))
         print(f"token_sums file of {size / 1e6:,.0f} MB: pyarrow alone {t_plain:.2f} s, TableWriter "
               f"(temp + fsync + rename + blake2b while writing) {t_hashed:.2f} s")
-        want = store._WRITTEN[(st.url, rels[-1])]
+        want = store.written_checksum(st, rels[-1])
 
         def check():
             verify(st, rels[-1], want)

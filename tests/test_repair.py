@@ -376,6 +376,18 @@ def test_any_changed_byte_of_any_file_is_reported(small, tmp_path_factory, which
         assert (wh / rel).read_bytes() == (small / rel).read_bytes()
 
 
+def test_a_changed_first_byte_of_every_file_is_reported(small, tmp_path):
+    """The bytes a reader may never look at (a Parquet file's leading magic) count too."""
+    for rel in sorted(p.relative_to(small) for p in small.rglob("*") if p.is_file()):
+        wh = copy(small, tmp_path / "wh")
+        flip(wh / rel, 0, 1)
+        try:
+            problems = validate(wh)
+        except UserError:
+            continue
+        assert problems, f"{rel}: first byte changed, validate says ok"
+
+
 # ---------------------------------------------------------------- S3
 
 

@@ -67,7 +67,7 @@ _RECORD = re.compile(r"\d{20}\.json")
 _RUN_ID = re.compile(r"\d{8}T\d{6}-[0-9a-f]{8}")
 _HOST = socket.gethostname()
 _WRITER = {"host": _HOST, "pid": os.getpid()}
-_WRITTEN: dict[tuple[str, str], dict] = {}  # (warehouse, rel) → checksum of a file this process wrote
+_WRITTEN: dict[str, dict] = {}  # storage path of a file this process wrote → its checksum
 
 
 def new_run_id() -> str:
@@ -121,7 +121,7 @@ class TableWriter:
         self._writer.close()
         faults.hit("close")
         self._out.commit()
-        _WRITTEN[(self.storage.url, self.rel)] = self._hash.checksum()
+        _WRITTEN[self.storage.path(self.rel)] = self._hash.checksum()
         return self.rel
 
     def abort(self) -> None:
@@ -369,13 +369,13 @@ def with_checksums(st: Storage, entry: dict) -> dict:
     old = entry.get("checksums") or {}
     sums = {}
     for rel in entry["files"].values():
-        sums[rel] = _WRITTEN.get((st.url, rel)) or old.get(rel) or checksum(st, rel)
+        sums[rel] = _WRITTEN.get(st.path(rel)) or old.get(rel) or checksum(st, rel)
     return {**entry, "checksums": sums}
 
 
 def written_checksum(st: Storage, rel: str) -> dict | None:
     """The checksum of `rel` as this process wrote it (None: another process did, or none)."""
-    return _WRITTEN.get((st.url, rel))
+    return _WRITTEN.get(st.path(rel))
 
 
 def run_of(rel: str) -> str | None:
@@ -402,7 +402,7 @@ def _lease_bytes(run_id: str, started: float) -> bytes:
 
 def hold_lease(st: Storage, run_id: str) -> None:
     """Create (once per process and run id) the lease that keeps validate --fix off this run's files."""
-    key = (st.url, run_id)
+    key = (st.path(""), run_id)
     with _LEASE_LOCK:
         if key in _LEASES:
             return
@@ -419,7 +419,7 @@ def release_leases(st: Storage, run_ids) -> None:
     """Remove the leases this process holds for `run_ids` (their files are committed or discarded)."""
     for run_id in run_ids:
         with _LEASE_LOCK:
-            held = _LEASES.pop((st.url, run_id), None)
+            held = _LEASES.pop((st.path(""), run_id), None)
         if held is not None:
             faults.hit("release")
             try:
@@ -436,7 +436,7 @@ def _heartbeat() -> None:
         for (_, run_id), (st, started) in held:
             try:
                 with _LEASE_LOCK:
-                    if (st.url, run_id) in _LEASES:
+                    if (st.path(""), run_id) in _LEASES:
                         st.replace(lease_rel(run_id), _lease_bytes(run_id, started))
             except Exception:
                 pass
