@@ -89,7 +89,7 @@ def repair_hint(entry: dict) -> str:
 
 def checked(root, entries: Iterable[dict | None]) -> Checked:
     """`root` whose reads of the entries' files verify them against their commit records' checksums
-    first (each file once per process): a fold never reads a byte its record did not write."""
+    first (each file once per fold): a fold never reads a byte its record did not write."""
     st = open_storage(root)
     expected = {}
     for e in entries:
