@@ -1000,6 +1000,7 @@ def _extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                 if rel not in kept:
                     with contextlib.suppress(Exception):  # a storage fault: an orphan for validate --fix
                         root.delete(rel)
+            store.release_leases(root, [run_id])  # its files are gone (or orphans, which --fix may now move)
             if not (entries and kept >= {f for e in entries for f in e["files"].values()}):
                 remove_empty_dirs(root, ref.name, checkpoint)  # nothing of this checkpoint landed
                 if isinstance(exc, KeyboardInterrupt):

@@ -270,17 +270,26 @@ def sql(
 
 
 @app.command()
-def validate(warehouse: str = WAREHOUSE, fix: bool = typer.Option(False, "--fix", help="Remove orphaned files, re-merge stale or wrong merged tables, rewrite views.sql.")):
-    """Check every file of the warehouse against the schema and the manifest, and every merged
-    table against a fresh merge of its partials.
+def validate(
+    warehouse: str = WAREHOUSE,
+    fix: bool = typer.Option(False, "--fix", help="Rebuild lost, damaged or wrong merged tables from their partials; move files no entry lists (older than --grace, of no live writer) to _quarantine/; rewrite views.sql. Never deletes."),
+    grace: str = typer.Option("1h", "--grace", help="A file no entry lists is quarantined by --fix only when older than this (0, 90s, 30m, 1h, 2d)."),
+    purge: bool = typer.Option(False, "--purge", help="Delete everything in _quarantine/ (printing each path) before validating."),
+):
+    """Check every file of the warehouse against the schema, the manifest and its commit record's
+    checksum, and every merged table against a fresh merge of its partials.
 
     Example: python cli.py validate --warehouse warehouse --fix
     """
     from warehouse.storage import open_storage
-    from warehouse.validate import validate as run_validate
+    from warehouse.validate import parse_duration, purge as run_purge, validate as run_validate
 
     try:
-        problems = run_validate(open_storage(warehouse, must_exist=True), fix)
+        grace_s = parse_duration(grace)
+        st = open_storage(warehouse, must_exist=True)
+        if purge:
+            run_purge(st, say=typer.echo)
+        problems = run_validate(st, fix, grace_s, say=lambda line: typer.echo(line, err=True))
     except UserError as e:
         fail(str(e))
     for p in problems:

@@ -2,8 +2,12 @@
 SIGKILL the n-th time (default 1st) execution reaches `point`.  Unset, `hit()` is one dict
 lookup.  Points: read, forward, write, close, merge (merged files written, manifest not yet),
 manifest, views, gc, compact, spill (between the layers of a spill run, extract/accumulate.py), reduce (a
-torchrun rank, before its sums are reduced).  `ISO_FAULT_ACTION=int` sends SIGINT instead (Ctrl-C at that
-point), `ISO_FAULT_ACTION=enospc` raises OSError(ENOSPC) there (a full disk at that point)."""
+torchrun rank, before its sums are reduced), lease (before a writer's lease is created), release (record
+created, lease not yet removed), quarantine (before validate --fix moves a file), move (S3: copied
+into the quarantine, original not yet deleted), pause (merged files written, record not yet: waits
+while the file named by ISO_PAUSE_FILE exists — the race tests' writer held in flight).
+`ISO_FAULT_ACTION=int` sends SIGINT instead (Ctrl-C at that point), `ISO_FAULT_ACTION=enospc` raises
+OSError(ENOSPC) there (a full disk at that point)."""
 
 from __future__ import annotations
 
@@ -20,9 +24,15 @@ _ACTION = os.environ.get("ISO_FAULT_ACTION", "kill")
 
 
 def hit(point: str) -> None:
+    if point == "merge" and os.environ.get("ISO_PAUSE_FILE"):
+        _pause(os.environ["ISO_PAUSE_FILE"])
     if _POINT and point == _POINT:
         _COUNT["n"] -= 1
         if _COUNT["n"] == 0 and _ACTION == "enospc":  # once: the disk is full at this moment
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         if _COUNT["n"] <= 0 and _ACTION != "enospc":
             os.kill(os.getpid(), signal.SIGINT if _ACTION == "int" else signal.SIGKILL)
+
+
+def _pause(flag: str) -> None:
+    """Announce the pause (flag + '.reached') and wait while `flag` exists (at most 10 minutes)."""

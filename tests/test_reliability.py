@@ -81,7 +81,7 @@ def test_kill_9_anywhere(base, sources, workdir, point, n):
     code, _, err = run_cli(*extract_args(base["model"], sources, wh))  # the same command again
     assert code == 0, err
     assert snapshot(wh) == base["snap_after"]
-    code, out, _ = run_cli("validate", "--warehouse", wh, "--fix")
+    code, out, _ = run_cli("validate", "--warehouse", wh, "--fix", "--grace", "0")
     assert code == 0
     code, out, _ = run_cli("validate", "--warehouse", wh)
     assert code == 0, out
@@ -279,7 +279,7 @@ def test_corrupt_parquet_is_named(catalogue, workdir):
     code, _, err = run_cli("sql", "SELECT * FROM inter_sim", "--warehouse", wh)
     assert code == 2 and victim.name in err and len(err.strip().splitlines()) == 1
     code, out, _ = run_cli("validate", "--warehouse", wh)
-    assert code == 1 and victim.name in out and "not a readable Parquet file" in out
+    assert code == 1 and victim.name in out and "commit record" in out  # its size differs from the recorded one
 
 
 def test_validate_finds_orphans_and_fixes_them(catalogue, workdir):
@@ -291,7 +291,12 @@ def test_validate_finds_orphans_and_fixes_them(catalogue, workdir):
     orphan.write_bytes(b"partial")
     code, out, _ = run_cli("validate", "--warehouse", wh)
     assert code == 1 and "leftover.parquet: not listed in the manifest" in out
-    assert run_cli("validate", "--warehouse", wh, "--fix")[0] == 0 and not orphan.exists()
+    assert run_cli("validate", "--warehouse", wh, "--fix")[0] == 1 and orphan.exists()  # younger than --grace
+    assert run_cli("validate", "--warehouse", wh, "--fix", "--grace", "0")[0] == 0 and not orphan.exists()
+    moved = list((wh / "_quarantine").rglob("leftover.parquet"))  # moved, not deleted
+    assert len(moved) == 1 and moved[0].read_bytes() == b"partial"
+    code, out, _ = run_cli("validate", "--warehouse", wh, "--purge")
+    assert code == 0 and "deleted" in out and not moved[0].exists()
 
 
 def test_partition_values_cannot_escape():

@@ -208,8 +208,9 @@ def test_kill_between_data_files_and_record_leaves_nothing_visible(s3env, single
     assert all(not rows for name, rows in views(url).items()), "a killed run is visible"
     code, out, _ = run_cli("validate", "--warehouse", url)
     assert code == 1 and "not listed in the manifest" in out
-    assert run_cli("validate", "--warehouse", url, "--fix")[0] == 0
-    assert [k for k in keys(s3env, url.rsplit("/", 1)[1]) if "/tables/" in k] == []
+    assert run_cli("validate", "--warehouse", url, "--fix", "--grace", "0")[0] == 0  # quarantined, not deleted
+    assert [k for k in keys(s3env, url.rsplit("/", 1)[1]) if "/tables/" in k and "/_quarantine/" not in k] == []
+    assert [k for k in keys(s3env, url.rsplit("/", 1)[1]) if "/_quarantine/" in k]
     assert run_cli("extract", *single["args"], "--warehouse", url)[0] == 0  # the re-run completes
     same_numbers(views(url), single["views"])
 

@@ -139,7 +139,7 @@ def test_torchrun_rank_killed_then_rerun_counts_once(single, workdir):
     same_numbers(got, single["views"])
     code, out, _ = run_cli("validate", "--warehouse", wh)
     assert code == 1 and "not listed in the manifest" in out  # rank 0's parameter tables: never visible
-    assert run_cli("validate", "--warehouse", wh, "--fix")[0] == 0
+    assert run_cli("validate", "--warehouse", wh, "--fix", "--grace", "0")[0] == 0
     assert run_cli("validate", "--warehouse", wh)[0] == 0
 
 

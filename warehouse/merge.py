@@ -46,7 +46,7 @@ from isotropy_warehouse import faults
 from isotropy_warehouse.errors import UserError
 
 from . import schema, store
-from .storage import Storage, open_storage
+from .storage import Checked, Storage, open_storage
 from .measures import (covariance, cross_covariance, linearity_from_cov, similarities_from_cov, twonn_microscope,
                        twonn_skdim)
 
@@ -74,6 +74,32 @@ def _data_by_pair(manifest: dict) -> dict[tuple[str, str], list[dict]]:
 
 def _inputs(entries: Iterable[dict]) -> list[str]:
     return sorted(e["run_id"] + ":" + e["key"] for e in entries)
+
+
+def repair_hint(entry: dict) -> str:
+    """What to do about a damaged or lost file of `entry`."""
+    where = f"{entry['model']}@{entry['checkpoint']}"
+    if entry["kind"] == "merged":
+        return "`python cli.py validate --fix` rebuilds it from its partials"
+    if entry["kind"] == "data":
+        shard = f" --shard {entry['shard'].replace('-of-', '/')}" if entry.get("shard") not in (None, "1-of-1") else ""
+        return (f"it cannot be rebuilt: re-extract {where} --source {entry['source']}{shard} "
+                f"(python cli.py extract …), which replaces it")
+    return f"it cannot be rebuilt: re-extract {where} (its parameter tables)"
+
+
+def checked(root, entries: Iterable[dict | None]) -> Checked:
+    """`root` whose reads of the entries' files verify them against their commit records' checksums
+    first (each file once per fold): a fold never reads a byte its record did not write."""
+    st = open_storage(root)
+    expected = {}
+    for e in entries:
+        if e is None:
+            continue
+        sums = e.get("checksums") or {}
+        for rel in e["files"].values():  # (a partial not yet committed: as this process wrote it)
+            expected[rel] = (sums.get(rel) or store.written_checksum(st, rel), repair_hint(e))
+    return Checked(st, expected)
 
 
 def is_compacted(manifest: dict, model: str, checkpoint: str) -> bool:
@@ -531,6 +557,7 @@ class _Writers:
         for rel in self.files.values():
             with contextlib.suppress(Exception):  # a storage fault: left as an orphan for validate --fix
                 self.st.delete(rel)
+        store.release_leases(self.st, [self.run_id])
 
 
 def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, adds: list[dict],
@@ -539,10 +566,10 @@ def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, 
     its merged entry `old` (None: from nothing), and return the new merged entry.  `members` are the
     group's data entries afterwards.  The files are read from `root` and written to `dest` (default:
     the same warehouse)."""
-    st = open_storage(root)
+    st = checked(root, [old, *adds, *removes, *members])  # every input verified before it is folded
     step, d = members[0]["step"], members[0]["hidden_size"]
     key = {"model": model, "checkpoint": checkpoint, "step": step, "source": group}
-    out = _Writers(open_storage(dest) if dest is not None else st, key, store.new_run_id())
+    out = _Writers(open_storage(dest) if dest is not None else st.inner, key, store.new_run_id())
     try:
         types = _fold_tokens(st, key, old, adds, removes, members, d, out)
         layers = _fold_layers(st, old, adds, removes)
@@ -596,9 +623,9 @@ def relabel_group(root, entry: dict, group: str) -> dict:
     """A copy of merged entry `entry` as the merged entry of `group`, which has the same partials
     (in practice 'all' of a one-source checkpoint), so the same merged tables:
     every file copied row group by row group with its source column set to `group`."""
-    st = open_storage(root)
+    st = checked(root, [entry])
     key = {"model": entry["model"], "checkpoint": entry["checkpoint"], "step": entry["step"], "source": group}
-    out = _Writers(st, key, store.new_run_id())
+    out = _Writers(st.inner, key, store.new_run_id())
     try:
         for table, rel in entry["files"].items():
             pf = st.parquet_file(rel, pre_buffer=False)
@@ -610,7 +637,8 @@ def relabel_group(root, entry: dict, group: str) -> dict:
     except BaseException:
         out.abort()
         raise
-    return {**entry, "key": group_key(entry["model"], entry["checkpoint"], group), "source": group,
+    return {**{k: v for k, v in entry.items() if k != "checksums"},
+            "key": group_key(entry["model"], entry["checkpoint"], group), "source": group,
             "run_id": out.run_id, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
 
 
@@ -843,6 +871,7 @@ def discard(root, entries: list[dict]) -> None:
         for rel in e["files"].values():
             with contextlib.suppress(Exception):
                 st.delete(rel)
+    store.release_leases(st, {store.run_of(rel) for e in entries for rel in e["files"].values()})
 
 
 def committed_files(root, entries: list[dict]) -> set[str]:
@@ -978,15 +1007,75 @@ def rebuild(root, keys: list[str] | None = None) -> int:
     return _publish_retrying(root, make)
 
 
-def _table(st: Storage, rel: str | None, columns: list[str]) -> pa.Table | None:
+def _table(st: Storage, rel: str | None, columns: list[str] | None = None) -> pa.Table | None:
     return st.read_table(rel, columns=columns) if rel else None
 
 
-def check(root, manifest: dict, rtol: float = 1e-9) -> list[tuple[str, str]]:
-    """(merged key, problem) for groups that are stale or left over, or whose token_stats /
-    layer_totals differ from a fresh merge of their partials (sum_sq by more than rtol relative);
-    compacted groups: layer counts against the partials' layer_sums.  The fresh merges are written
-    to a local temporary directory."""
+# Tolerance of each merged table against a fresh merge of its partials, as (relative to the value,
+# relative to the column's largest magnitude): |x − y| ≤ a·|y| + b·max|y|.  Sums (n exact, float
+# sums in another order) agree to ~1e-15 relative; 1e-9 leaves room for many partials.  Tables
+# derived through an eigendecomposition or a least-squares fit of merged moments (spectrum,
+# dim_variance, layer_metrics) inherit the moments' rounding amplified by the conditioning: 1e-6 of
+# the value plus 1e-9 of the largest (e.g. the top eigenvalue).  Samples and massive rows are copies:
+# exact.  Integer and string columns are always compared exactly.
+TOLERANCES = {
+    "token_stats": (1e-9, 1e-12), "token_vectors": (1e-9, 1e-12), "layer_totals": (1e-9, 1e-12),
+    "frequency_buckets": (1e-9, 1e-12), "moments_merged": (1e-9, 1e-12), "sequence_moments_merged": (1e-9, 1e-12),
+    "samples_merged": (0.0, 0.0), "massive_merged": (0.0, 0.0),
+    "spectrum": (1e-6, 1e-9), "sequence_eigenvalues": (1e-6, 1e-9), "dim_variance": (1e-6, 1e-9),
+    "layer_metrics": (1e-6, 1e-9),
+}
+
+
+def _floats(col: pa.ChunkedArray) -> tuple[np.ndarray, list | None]:
+    """A float or list-of-float column as flat float64 values (nulls: NaN) and its list lengths."""
+    import pyarrow.compute as pc
+
+    col = col.combine_chunks()
+    lengths = None
+    while pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+        lengths = (lengths or []) + [pc.list_value_length(col).to_pylist()]
+        col = pc.list_flatten(col)
+    return col.cast(pa.float64()).to_numpy(zero_copy_only=False).astype(np.float64), lengths
+
+
+def compare_tables(a: pa.Table, b: pa.Table, table: str) -> str | None:
+    """Why `a` (stored) differs from `b` (a fresh merge) beyond the table's tolerance (None: equal)."""
+    rel_tol, col_tol = TOLERANCES.get(table, (1e-9, 1e-12))
+    if a.column_names != b.column_names:
+        return f"columns {a.column_names}, a fresh merge has {b.column_names}"
+    if a.num_rows != b.num_rows:
+        return f"{a.num_rows} rows, a fresh merge has {b.num_rows}"
+    exact = [f.name for f in a.schema if pa.types.is_integer(f.type) or pa.types.is_string(f.type)
+             or pa.types.is_boolean(f.type)]
+    order = [(c, "ascending") for c in exact]
+    if order:
+        a, b = a.sort_by(order), b.sort_by(order)
+    for f in a.schema:
+        x, y = a.column(f.name), b.column(f.name)
+        if f.name in exact:
+            if not x.equals(y):
+                return f"column {f.name} differs"
+            continue
+        (xv, xl), (yv, yl) = _floats(x), _floats(y)
+        if xl != yl or xv.shape != yv.shape:
+            return f"column {f.name}: vector lengths differ"
+        if not xv.size:
+            continue
+        scale = float(np.nanmax(np.abs(yv))) if np.isfinite(yv).any() else 0.0
+        with np.errstate(invalid="ignore"):
+            ok = (np.abs(xv - yv) <= rel_tol * np.abs(yv) + col_tol * scale) | (xv == yv) | (np.isnan(xv) & np.isnan(yv))
+        if not ok.all():
+            i = int(np.argmin(ok))
+            return f"column {f.name}: {xv[i]!r} where a fresh merge has {yv[i]!r} (tolerance {rel_tol:g} relative)"
+    return None
+
+
+def check(root, manifest: dict) -> list[tuple[str, str]]:
+    """(merged key, problem) for groups that are stale or left over, or any of whose merged tables
+    differs from a fresh merge of their partials beyond TOLERANCES; compacted groups: layer counts
+    against the partials' layer_sums.  Inputs are verified against their checksums first (a corrupt
+    partial is reported, not merged).  The fresh merges are written to a local temporary directory."""
     root = open_storage(root)
     stale, extra = stale_groups(manifest)
     problems = [(k, f"merged tables of {k} are out of date (--fix re-merges them)") for k in stale]
@@ -997,31 +1086,41 @@ def check(root, manifest: dict, rtol: float = 1e-9) -> list[tuple[str, str]]:
             if k in stale:
                 continue
             have = manifest["entries"][k]
-            if have.get("compacted") or any(e.get("compacted") for e in members):
-                want_n = defaultdict(int)
-                for e in members:
-                    for r in root.read_table(e["files"]["layer_sums"], columns=["layer", "n"]).to_pylist():
-                        want_n[r["layer"]] += r["n"]
-                got = {r["layer"]: r["n"] for r in _table(root, have["files"].get("layer_totals"),
-                                                             ["layer", "n"]).to_pylist()}
-                if got != dict(want_n):
-                    problems.append((k, f"{k}: layer counts {got} differ from its partials' {dict(want_n)}"))
+            try:
+                if have.get("compacted") or any(e.get("compacted") for e in members):
+                    st = checked(root, [have, *members])
+                    want_n = defaultdict(int)
+                    for e in members:
+                        for r in st.read_table(e["files"]["layer_sums"], columns=["layer", "n"]).to_pylist():
+                            want_n[r["layer"]] += r["n"]
+                    got = {r["layer"]: r["n"] for r in _table(st, have["files"].get("layer_totals"),
+                                                                 ["layer", "n"]).to_pylist()}
+                    if got != dict(want_n):
+                        problems.append((k, f"{k}: layer counts {got} differ from its partials' {dict(want_n)}"))
+                    continue
+                fresh = fold_group(root, model, checkpoint, group, None, members, [], members, dest=tmp)
+            except UserError as e:  # a damaged partial: reported by the file checks, named here too
+                problems.append((k, f"{k}: cannot be re-merged: {e}"))
                 continue
-            fresh = fold_group(root, model, checkpoint, group, None, members, [], members, dest=tmp)
-            for table, cols in (("token_stats", ["layer", "token_id", "n", "sum_sq"]),
-                                ("layer_totals", ["layer", "n", "sum_sq"])):
-                a = _table(root, have["files"].get(table), cols)
-                b = _table(tmp, fresh["files"].get(table), cols)
-                same = (a is None) == (b is None)
-                if same and a is not None:
-                    same = a.num_rows == b.num_rows and all(
-                        np.array_equal(a.column(c).to_numpy(), b.column(c).to_numpy()) for c in cols[:-1])
-                if same and a is not None:
-                    x, y = a.column("sum_sq").to_numpy(), b.column("sum_sq").to_numpy()
-                    same = bool(np.all(np.abs(x - y) <= rtol * np.maximum(np.abs(y), 1.0)))
-                if not same:
-                    problems.append((k, f"{k}: {table} differs from a fresh merge of its partials (--fix re-merges)"))
-            discard(tmp, [fresh])
+            try:
+                st = checked(root, [have])
+                for table in sorted(set(have["files"]) | set(fresh["files"])):
+                    if (table in have["files"]) != (table in fresh["files"]):
+                        why = "missing" if table in fresh["files"] else "not in a fresh merge"
+                        problems.append((k, f"{k}: {table} {why} (--fix re-merges)"))
+                        continue
+                    try:
+                        why = compare_tables(_table(st, have["files"][table]), _table(tmp, fresh["files"][table]),
+                                             table)
+                    except UserError as e:
+                        why = str(e)
+                    except Exception as e:  # pyarrow raises several types for a damaged file
+                        why = f"unreadable ({str(e)[:200]})"
+                    if why:
+                        problems.append((k, f"{k}: {table} differs from a fresh merge of its partials: "
+                                            f"{why} (--fix re-merges)"))
+            finally:
+                discard(tmp, [fresh])
     return problems
 
 

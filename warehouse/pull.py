@@ -14,25 +14,30 @@ from __future__ import annotations
 from isotropy_warehouse.errors import UserError
 
 from . import merge, query, schema, store
-from .storage import Storage, open_storage
+from .storage import HashingStream, Storage, open_storage
 
 COPY_CHUNK = 8 << 20
 VIEW_ONLY_DROPS = {"data": ("token_sums", "moments", "samples", "sequence_moments"), "merged": schema.STATE_TABLES}
 
 
-def _copy(src: Storage, dest: Storage, rel: str) -> int:
+def _copy(src: Storage, dest: Storage, rel: str, want: dict | None = None) -> int:
+    """Copy one file, hashing it on the way: a copy that differs from its commit record's checksum
+    (`want`) is refused with one line, before the copy's record is written."""
+    store.hold_lease(dest, store.run_of(rel) or "pull")  # validate --fix leaves the copy alone
     out = dest.output(rel)
-    n = 0
+    h = HashingStream(out.stream)
     try:
         with src.input_stream(rel) as f:
             while chunk := f.read(COPY_CHUNK):
-                out.stream.write(chunk)
-                n += len(chunk)
+                h.write(chunk)
+        if want and h.checksum() != {"size": want["size"], "blake2b": want["blake2b"]}:
+            raise UserError(f"{src.display(rel)}: content differs from its commit record's checksum; "
+                            "not copied (run `python cli.py validate` on the source)")
         out.commit()
     except BaseException:
         out.abort()
         raise
-    return n
+    return h.size
 
 
 def pull(src, dest, model: str | None = None, checkpoint: str | None = None, full: bool = False) -> dict:
@@ -54,7 +59,7 @@ def pull(src, dest, model: str | None = None, checkpoint: str | None = None, ful
         drop = () if full else VIEW_ONLY_DROPS.get(e["kind"], ())
         files = {t: f for t, f in e["files"].items() if t not in drop}
         for rel in files.values():
-            nbytes += _copy(src, dest, rel)
+            nbytes += _copy(src, dest, rel, (e.get("checksums") or {}).get(rel))
         compacted = e.get("compacted") or (not full and e["kind"] in VIEW_ONLY_DROPS)
         copied.append({**e, "files": files, **({"compacted": True} if compacted else {})})
     if store.publish(dest, 0, store.read_manifest(dest), copied) is None:

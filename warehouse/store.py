@@ -11,7 +11,22 @@ Two writers that read the same state race for the same next record: exactly one 
 other re-reads and tries again on top of it (`publish` returns None).  So a killed run leaves
 nothing that a view can see, and a re-run of the same key replaces the earlier entry instead of
 adding to it.  Files that no entry lists any more are deleted after the commit; files of runs
-that never committed, by `validate --fix`.
+that never committed are moved to `_quarantine/` by `validate --fix` (never deleted there).
+
+Checksums: every file a TableWriter writes is hashed (blake2b) and counted while its bytes go out,
+and `publish` records {"size", "blake2b"} of every file of every entry it puts in
+entry["checksums"][rel] (a file written by another process is hashed by reading it once).
+Companions (manifest.json, runs.parquet, views.sql) carry no checksum: they are derived from the
+log and rewritten from it whenever they are behind.
+
+Generations are contiguous (record n is created only on top of record n − 1): `read_state` refuses
+a log with a gap, a damaged record, or a companion written from a newer generation than the latest
+record (a lost record) — one line each, never a silent rollback.
+
+Leases: before a process writes the first file of a run id it creates `_inflight/<run_id>.json`
+(host, pid, heartbeat, refreshed every HEARTBEAT_S by a thread), and removes it once a commit
+record lists those files (or at exit).  `validate --fix` never quarantines a file of a run id whose
+lease is live (see `lease_alive`).
 
 Above storage.py (bytes and names), this knows files and the manifest, not what the tables mean
 (merge.py folds partials, query.py makes views; neither is imported here).
@@ -19,12 +34,15 @@ Above storage.py (bytes and names), this knows files and the manifest, not what 
 
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import json
 import os
 import re
 import secrets
 import socket
+import threading
+import time
 from urllib.parse import quote
 
 import numpy as np
@@ -35,15 +53,21 @@ from isotropy_warehouse import faults
 from isotropy_warehouse.errors import UserError
 
 from . import schema
-from .storage import Storage, open_storage
+from .storage import HashingStream, Storage, checksum, open_storage
 
 MANIFEST = "manifest.json"  # a copy of the current state (companion); the commit log is authoritative
 LOG_DIR = "_log"
 SNAPSHOT_EVERY = 32  # every 32nd record holds the whole manifest; the others only their changes
 RUNS_FILE = "runs.parquet"
 VIEWS_FILE = "views.sql"
+INFLIGHT_DIR = "_inflight"  # leases of writers in flight: <run_id>.json
+QUARANTINE_DIR = "_quarantine"  # what validate --fix moved away: <stamp>/<original rel path>
+HEARTBEAT_S = 60.0  # a lease's heartbeat is refreshed this often while it is held
 _RECORD = re.compile(r"\d{20}\.json")
-_WRITER = {"host": socket.gethostname(), "pid": os.getpid()}
+_RUN_ID = re.compile(r"\d{8}T\d{6}-[0-9a-f]{8}")
+_HOST = socket.gethostname()
+_WRITER = {"host": _HOST, "pid": os.getpid()}
+_WRITTEN: dict[str, dict] = {}  # storage path of a file this process wrote → its checksum
 
 
 def new_run_id() -> str:
@@ -83,8 +107,11 @@ class TableWriter:
         self.storage = open_storage(root)
         self.rel = f"{partition_dir(table, values)}/{run_id}.parquet"
         self.schema = arrow_schema or schema.TABLES[table]
+        hold_lease(self.storage, run_id)  # before the first byte: validate --fix leaves the file alone
         self._out = self.storage.output(self.rel)
-        self._writer = pq.ParquetWriter(self._out.stream, self.schema, **schema.write_options(table, self.schema))
+        self._hash = HashingStream(self._out.stream)  # the checksum, computed while the bytes go out
+        self._writer = pq.ParquetWriter(pa.PythonFile(self._hash, mode="w"), self.schema,
+                                        **schema.write_options(table, self.schema))
 
     def write(self, columns: dict) -> None:
         self._writer.write_table(pa.table(columns, schema=self.schema))
@@ -94,6 +121,7 @@ class TableWriter:
         self._writer.close()
         faults.hit("close")
         self._out.commit()
+        _WRITTEN[self.storage.path(self.rel)] = self._hash.checksum()
         return self.rel
 
     def abort(self) -> None:
@@ -113,12 +141,111 @@ def _seqs(st: Storage) -> list[int]:
     return sorted(int(n[:-5]) for n in names if _RECORD.fullmatch(n))
 
 
+_RESTORE = "restore it from a backup (nothing was changed; validate --fix does not touch a damaged log)"
+
+
+def _record_problem(rec) -> str | None:
+    """What is wrong with a parsed commit record (None: its shape is sound)."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    for k in ("put", "remove"):
+        if not isinstance(rec.get(k), list):
+            return f"no {k!r} list"
+    if not all(isinstance(e, dict) and isinstance(e.get("key"), str) and isinstance(e.get("files"), dict)
+               for e in rec["put"]):
+        return "an entry without key or files"
+    if not all(isinstance(k, str) for k in rec["remove"]):
+        return "a removed key that is not a string"
+    if "manifest" in rec and not (isinstance(rec["manifest"], dict) and isinstance(rec["manifest"].get("entries"), dict)):
+        return "a snapshot without entries"
+    return None
+
+
+def record_digest(rec: dict) -> str:
+    """blake2b of a record's canonical JSON without its "digest" field."""
+    import hashlib
+
+    body = json.dumps({k: v for k, v in rec.items() if k != "digest"}, sort_keys=True).encode()
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
+
+
+def record_bytes(rec: dict) -> bytes:
+    """A record as `publish` writes it (validate compares the stored bytes with this)."""
+    return json.dumps(rec, sort_keys=True).encode()
+
+
 def _read_record(st: Storage, seq: int) -> dict:
     rel = f"{LOG_DIR}/{_record_name(seq)}"
     try:
-        return json.loads(st.read_bytes(rel))
+        rec = json.loads(st.read_bytes(rel))
+    except FileNotFoundError:
+        raise UserError(f"{st.display(rel)}: commit record vanished while reading the log; {_RESTORE}") from None
     except (OSError, ValueError) as e:
-        raise UserError(f"{st.display(rel)}: unreadable commit record ({e})") from None
+        raise UserError(f"{st.display(rel)}: damaged commit record (not JSON: {str(e)[:120]}); {_RESTORE}") from None
+    problem = _record_problem(rec)
+    if not problem and "digest" in rec and rec["digest"] != record_digest(rec):
+        problem = "its content does not match its digest"
+    if problem:
+        raise UserError(f"{st.display(rel)}: damaged commit record ({problem}); {_RESTORE}")
+    return rec
+
+
+def check_contiguous(st: Storage, seqs: list[int]) -> None:
+    """Generations are 1, 2, …, n: a gap is a lost record."""
+    if seqs and seqs != list(range(1, seqs[-1] + 1)):
+        have = set(seqs)
+        missing = [s for s in range(1, seqs[-1] + 1) if s not in have]
+        raise UserError(f"{st.display(LOG_DIR)}: commit record(s) {', '.join(map(str, missing[:3]))}"
+                        f"{' …' if len(missing) > 3 else ''} missing before the latest ({seqs[-1]}): a lost "
+                        f"record; {_RESTORE}")
+
+
+def views_generation(st: Storage) -> int | None:
+    """The generation views.sql's first line names (None: no views.sql or no tag)."""
+    try:
+        head = st.read_bytes(VIEWS_FILE, 64).decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    m = re.match(r"-- generation (\d+)", head)
+    return int(m.group(1)) if m else None
+
+
+def companions_ahead(st: Storage, latest: int, full: bool = False) -> tuple[str, int] | None:
+    """(companion, generation) of a companion written from a generation newer than `latest`, or None.
+    Companions are written only after their record, so once the log is re-listed this means a lost
+    record.  Cheap: runs.parquet's footer and views.sql's first line; full: manifest.json too."""
+    found = {}
+    try:
+        meta = st.read_schema(RUNS_FILE).metadata or {}
+        found[RUNS_FILE] = int(meta.get(b"generation", b"-1"))
+    except (OSError, ValueError, pa.ArrowException):
+        pass
+    found[VIEWS_FILE] = views_generation(st)
+    if full:
+        try:
+            found[MANIFEST] = int(json.loads(st.read_bytes(MANIFEST)).get("generation", -1))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass
+    ahead = {k: g for k, g in found.items() if g is not None and g > latest}
+    return max(ahead.items(), key=lambda kv: kv[1]) if ahead else None
+
+
+def latest_seqs(st: Storage, full: bool = False) -> list[int]:
+    """The log's record numbers, checked: contiguous from 1, and no companion ahead of the latest
+    (re-listed once in case a writer committed between the listing and the companions' read)."""
+    for attempt in range(3):
+        seqs = _seqs(st)
+        check_contiguous(st, seqs)
+        latest = seqs[-1] if seqs else 0
+        ahead = companions_ahead(st, latest, full)
+        if ahead is None:
+            return seqs
+        if attempt < 2 and (_seqs(st) or [0])[-1] >= ahead[1]:
+            continue  # a writer committed meanwhile
+        name, gen = ahead
+        raise UserError(f"{st.display(LOG_DIR)}: the latest commit record is {latest} but {name} was written "
+                        f"from generation {gen}: record(s) {latest + 1}…{gen} lost; {_RESTORE}")
+    return _seqs(st)
 
 
 def _empty() -> dict:
@@ -138,7 +265,7 @@ def read_state(root) -> tuple[int, dict]:
     """(sequence number, manifest) of the latest commit record: the newest snapshot at or before it,
     with the later records' changes applied."""
     st = open_storage(root)
-    seqs = _seqs(st)
+    seqs = latest_seqs(st)
     if not seqs:
         legacy = st.display(MANIFEST)
         if st.exists(MANIFEST):  # a warehouse of an earlier version: no commit log, only manifest.json
@@ -147,6 +274,9 @@ def read_state(root) -> tuple[int, dict]:
             except (OSError, ValueError) as e:
                 raise UserError(f"{legacy}: unreadable manifest ({e})") from None
             _check_version(manifest, legacy)
+            if isinstance(manifest, dict) and manifest.get("generation"):
+                raise UserError(f"{st.display(LOG_DIR)}: commit log missing or empty but {MANIFEST} was written from "
+                                f"generation {manifest['generation']}: the log was lost; {_RESTORE}")
             raise UserError(f"{legacy}: warehouse without a commit log (written by an earlier version); "
                             "use another --warehouse")
         return 0, _empty()
@@ -201,6 +331,7 @@ def publish(root, base_seq: int, manifest: dict, entries: list[dict], remove: li
     Returns the files no entry lists any more (deleted), or None if another writer took that
     record first — the caller re-reads the state and tries again."""
     st = open_storage(root)
+    entries = [with_checksums(st, e) for e in entries]
     new = {**manifest, "entries": dict(manifest["entries"])}
     old_files = {f for e in manifest["entries"].values() for f in e["files"].values()}
     _apply(new, list(entries), list(remove))
@@ -210,8 +341,13 @@ def publish(root, base_seq: int, manifest: dict, entries: list[dict], remove: li
               "put": list(entries), "remove": list(remove)}
     if seq == 1 or seq % SNAPSHOT_EVERY == 0:
         record["manifest"] = {**new, "generation": seq}
+    record["digest"] = record_digest(record)  # a changed byte that still parses is a damaged record too
     faults.hit("manifest")
-    if not st.create_if_absent(f"{LOG_DIR}/{_record_name(seq)}", json.dumps(record, sort_keys=True).encode()):
+    if companions_ahead(st, base_seq) is not None:  # never create a record over a lost one
+        if st.exists(f"{LOG_DIR}/{_record_name(seq)}"):
+            return None  # only another writer's commit: re-read and try again
+        latest_seqs(st)  # raises the lost-record line
+    if not st.create_if_absent(f"{LOG_DIR}/{_record_name(seq)}", record_bytes(record)):
         return None
     new["generation"] = seq
     manifest.clear()
@@ -219,10 +355,145 @@ def publish(root, base_seq: int, manifest: dict, entries: list[dict], remove: li
     faults.hit("views")
     write_companions(st, manifest)
     stale = sorted(old_files - live)
+    release_leases(st, {run_of(f) for e in entries for f in e["files"].values()})  # the record lists them now
     faults.hit("gc")
     for rel in stale:
         st.delete(rel)
     return stale
+
+
+def with_checksums(st: Storage, entry: dict) -> dict:
+    """`entry` with checksums[rel] = {"size", "blake2b"} for each of its files: as this process wrote
+    it (hashed on the way out), as an earlier record had it (a file kept by compact), or else hashed
+    by reading it once (a file another process wrote)."""
+    old = entry.get("checksums") or {}
+    sums = {}
+    for rel in entry["files"].values():
+        sums[rel] = _WRITTEN.get(st.path(rel)) or old.get(rel) or checksum(st, rel)
+    return {**entry, "checksums": sums}
+
+
+def written_checksum(st: Storage, rel: str) -> dict | None:
+    """The checksum of `rel` as this process wrote it (None: another process did, or none)."""
+    return _WRITTEN.get(st.path(rel))
+
+
+def run_of(rel: str) -> str | None:
+    """The run id a table file (or its temporary) was written under, from its name."""
+    m = _RUN_ID.search(rel.rsplit("/", 1)[-1])
+    return m.group(0) if m else None
+
+
+# ---------------------------------------------------------------- leases of writers in flight
+
+_LEASES: dict[tuple[str, str], tuple[Storage, float]] = {}  # (warehouse, run_id) → (storage, started)
+_LEASE_LOCK = threading.Lock()
+_HEARTBEAT: list[threading.Thread] = []
+
+
+def lease_rel(run_id: str) -> str:
+    return f"{INFLIGHT_DIR}/{run_id}.json"
+
+
+def _lease_bytes(run_id: str, started: float) -> bytes:
+    return json.dumps({"run_id": run_id, "host": _HOST, "pid": os.getpid(), "started": started,
+                       "heartbeat": time.time()}).encode()
+
+
+def hold_lease(st: Storage, run_id: str) -> None:
+    """Create (once per process and run id) the lease that keeps validate --fix off this run's files."""
+    key = (st.path(""), run_id)
+    with _LEASE_LOCK:
+        if key in _LEASES:
+            return
+        faults.hit("lease")
+        started = time.time()
+        st.replace(lease_rel(run_id), _lease_bytes(run_id, started))
+        _LEASES[key] = (st, started)
+        if not _HEARTBEAT or not _HEARTBEAT[0].is_alive():
+            _HEARTBEAT[:] = [threading.Thread(target=_heartbeat, name="iso-lease-heartbeat", daemon=True)]
+            _HEARTBEAT[0].start()
+
+
+def release_leases(st: Storage, run_ids) -> None:
+    """Remove the leases this process holds for `run_ids` (their files are committed or discarded)."""
+    for run_id in run_ids:
+        with _LEASE_LOCK:
+            held = _LEASES.pop((st.path(""), run_id), None)
+        if held is not None:
+            faults.hit("release")
+            try:
+                held[0].delete(lease_rel(run_id))
+            except Exception:  # left behind: stale once this process is gone
+                pass
+
+
+def _heartbeat() -> None:
+    while True:
+        time.sleep(HEARTBEAT_S)
+        with _LEASE_LOCK:
+            held = list(_LEASES.items())
+        for (_, run_id), (st, started) in held:
+            try:
+                with _LEASE_LOCK:
+                    if (st.path(""), run_id) in _LEASES:
+                        st.replace(lease_rel(run_id), _lease_bytes(run_id, started))
+            except Exception:
+                pass
+
+
+_OWNER = os.getpid()
+
+
+@atexit.register
+def _release_all() -> None:
+    if os.getpid() != _OWNER:  # a forked child does not own its parent's leases
+        return
+    for (url, run_id), (st, _) in list(_LEASES.items()):
+        release_leases(st, [run_id])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed child not yet reaped is a zombie: dead
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def lease_alive(info: dict, grace_s: float, now: float | None = None) -> bool:
+    """A lease protects its run's files while its writer may still commit them: on this host, while
+    its pid is alive; from another host, while its heartbeat is younger than the grace period (at
+    least 3 heartbeats)."""
+    try:
+        if info.get("host") == _HOST:
+            return _pid_alive(int(info["pid"]))
+        age = (now if now is not None else time.time()) - float(info["heartbeat"])
+        return age < max(grace_s, 3 * HEARTBEAT_S)
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def read_leases(st: Storage) -> dict[str, dict | None]:
+    """run id → lease contents (None: unreadable, e.g. being replaced) of every lease file."""
+    out = {}
+    for rel in st.list_files(INFLIGHT_DIR):
+        name = rel.rsplit("/", 1)[-1]
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            out[name[:-5]] = json.loads(st.read_bytes(rel))
+        except FileNotFoundError:
+            continue  # released meanwhile
+        except (OSError, ValueError):
+            out[name[:-5]] = None
+    return out
 
 
 def companion_generations(root) -> tuple[int | None, int | None]:

@@ -1,13 +1,53 @@
-"""`cli.py validate`: check a warehouse's files against the schema and the manifest, and its merged
-tables against a fresh merge of their partials."""
+"""`cli.py validate`: check a warehouse's files against the schema, the manifest and their commit
+records' checksums, and every merged table against a fresh merge of its partials; `--fix` repairs
+what can be repaired without destroying anything, `--purge` empties the quarantine.
+
+What `--fix` does, and what it never does:
+
+* It rebuilds a missing, corrupt or wrong merged table from its partials (`merge.rebuild`, one new
+  commit record).  A damaged partial or parameter table cannot be rebuilt: one line names it and
+  what to re-extract.
+* A file no entry lists (left by a killed run) is *moved* to `_quarantine/<stamp>/<rel path>`, never
+  deleted, and only when provably orphaned: older than the grace period (`grace_s`, default 1 hour)
+  AND not written under a run id whose lease (`_inflight/<run_id>.json`, store.py) is live.  The
+  listing of files is taken before the leases and the state are read, so a writer that committed
+  meanwhile is seen as committed, and one still in flight is seen by its lease.
+* It touches nothing when the commit log is unreadable, damaged, has a gap, or is behind a companion
+  (a lost record): those are one-line errors (exit 2) for every command.  A folder with `tables/`
+  but no commit record is refused too, unless every file there belongs to a run whose lease shows
+  it never committed (a first extract killed before its record).
+
+`--purge` deletes what is in `_quarantine/` (the only deletion here), printing each path.
+"""
 
 from __future__ import annotations
 
+import datetime as _dt
+import json
+import re
+import secrets
+import time
+from typing import Callable
+
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from isotropy_warehouse import faults
+from isotropy_warehouse.errors import UserError
 
 from . import merge, query, schema, store
-from .storage import Storage, open_storage
+from .storage import Storage, open_storage, verify
+
+GRACE_S = 3600.0  # default grace period: a file not listed must be at least this old to be quarantined
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of '90', '90s', '30m', '1h', '2d'."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
+    if not m:
+        raise UserError(f"--grace {text!r}: expected a duration such as 0, 90s, 30m, 1h or 2d")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
 
 
 def _same_type(got: pa.DataType, want: pa.DataType, table: str, column: str) -> bool:
@@ -17,13 +57,21 @@ def _same_type(got: pa.DataType, want: pa.DataType, table: str, column: str) -> 
 
 
 def check_file(st: Storage, rel: str, table: str, entry: dict) -> list[str]:
+    """Problems of one listed file: missing, size or checksum unlike its record, unreadable, columns
+    or types unlike the schema, partition values inside it unlike the manifest."""
     if not st.exists(rel):
-        return [f"{rel}: listed in the manifest but missing"]
+        return [f"{rel}: listed in the manifest but missing; {merge.repair_hint(entry)}"]
+    want_sum = (entry.get("checksums") or {}).get(rel)
+    if want_sum:
+        try:
+            verify(st, rel, want_sum, merge.repair_hint(entry))
+        except UserError as e:
+            return [str(e)]
     try:
         pf = st.parquet_file(rel)
         got = pf.schema_arrow
     except Exception as e:  # pyarrow raises several types for a damaged file
-        return [f"{rel}: not a readable Parquet file ({str(e)[:200]})"]
+        return [f"{rel}: not a readable Parquet file ({str(e)[:200]}); {merge.repair_hint(entry)}"]
     want = schema.TABLES[table]
     problems = []
     if got.names != want.names:
@@ -44,29 +92,191 @@ def check_file(st: Storage, rel: str, table: str, entry: dict) -> list[str]:
     return problems
 
 
-def validate(root, fix: bool = False) -> list[str]:
-    """Problems found (after fixing what `fix` can: orphans, temp files, stale companions)."""
+def purge(root, say: Callable[[str], None] = print) -> list[str]:
+    """Delete everything in the quarantine, printing each path; returns them."""
+    st = open_storage(root, must_exist=True)
+    gone = st.list_files(store.QUARANTINE_DIR)
+    for rel in gone:
+        say(f"deleted {st.display(rel)}")
+        st.delete(rel)
+    return gone
+
+
+def _check_log(st: Storage, files: list[str], leases: dict) -> list[int]:
+    """The commit log's records, every one readable and well-formed (byte for byte as publish wrote
+    it), contiguous, not behind a companion; a folder with tables/ but no record only if its files
+    are provably a killed first run's."""
+    seqs = store.latest_seqs(st, full=True)  # a gap or a lost latest record: one line, nothing touched
+    for seq in seqs:
+        rec = store._read_record(st, seq)  # a damaged record: one line naming it
+        rel = f"{store.LOG_DIR}/{store._record_name(seq)}"
+        if st.read_bytes(rel) != store.record_bytes(rec):  # e.g. a changed space: parses to the same
+            raise UserError(f"{st.display(rel)}: damaged commit record (its bytes are not as written); {store._RESTORE}")
+    if not seqs and files and not all(store.run_of(rel) in leases for rel in files):
+        raise UserError(f"{st}: holds tables/ but no readable commit log ({store.LOG_DIR}/ missing or empty): "
+                        "not a complete warehouse (a partial copy or restore?); nothing was changed — "
+                        "restore _log/ or point --warehouse at the complete copy")
+    return seqs
+
+
+def validate(root, fix: bool = False, grace_s: float = GRACE_S, say: Callable[[str], None] | None = None,
+             now: float | None = None) -> list[str]:
+    """Problems found (after fixing what `fix` can: lost or damaged merged tables, orphans older than
+    the grace period, stale companions).  `say` gets notes that are not problems (what was moved,
+    files of writers in flight, files recorded without a checksum)."""
+    say = say or (lambda line: None)
     root = open_storage(root, must_exist=True)
+    # 1. the files, then the leases, then the state (in this order: see the module's docstring)
+    infos = root.list_infos("tables")
+    infos += [i for i in root.list_infos(store.LOG_DIR) if i[0].rsplit("/", 1)[-1].startswith(".")]
+    lease_infos = root.list_infos(store.INFLIGHT_DIR)
+    leases = store.read_leases(root)
+    _check_log(root, [rel for rel, _, _ in infos if rel.startswith("tables/")], leases)
     manifest = store.read_manifest(root)
-    problems = []
-    listed = set()
+    now = time.time() if now is None else now
+
+    # 2. every listed file
+    problems: list[str] = []
+    bad_entries: dict[str, dict] = {}  # key → entry with a missing or damaged file
+    listed, unverified = set(), 0
     for entry in manifest["entries"].values():
         for table, rel in entry["files"].items():
             listed.add(rel)
-            problems += check_file(root, rel, table, entry)
-    orphans = [rel for rel in root.list_files("tables") if rel not in listed]
-    orphans += [rel for rel in root.list_files(store.LOG_DIR) if rel.rsplit("/", 1)[-1].startswith(".")]
-    for rel in orphans:
+            unverified += rel not in (entry.get("checksums") or {})
+            found = check_file(root, rel, table, entry)
+            if found:
+                bad_entries[entry["key"]] = entry
+            problems += found
+    if unverified:
+        say(f"note: {unverified} listed file(s) have no checksum in their commit record (written before "
+            "checksums were recorded): size and content not verified")
+
+    # 3. files no entry lists: quarantined when provably orphaned
+    live = {run for run, info in leases.items() if info is None or store.lease_alive(info, grace_s, now)}
+    for run, info in leases.items():
+        if info is None:
+            problems.append(f"{store.lease_rel(run)}: unreadable lease (it protects run {run}'s files; "
+                            "remove it if no writer of that run is running)")
+    stamp = None
+    for rel, _, mtime in infos:
+        if rel in listed:
+            continue
+        run = store.run_of(rel)
+        if run in live:
+            say(f"note: {rel}: written by run {run}, still in flight (live lease): left alone")
+            continue
+        if now - mtime < grace_s:
+            problems.append(f"{rel}: not listed in the manifest, younger than the grace period ({grace_s:g} s): "
+                            "kept (a writer may still commit it; --fix quarantines it once older)")
+            continue
+        if not fix:
+            problems.append(f"{rel}: not listed in the manifest (left by an interrupted run; --fix moves it "
+                            f"to {store.QUARANTINE_DIR}/)")
+            continue
+        stamp = stamp or _stamp()
+        dest = f"{store.QUARANTINE_DIR}/{stamp}/{rel}"
+        faults.hit("quarantine")
+        root.move(rel, dest)
+        say(f"moved {rel} to {dest}")
+    for rel, _, mtime in lease_infos:  # leases of dead writers: bookkeeping only, quarantined likewise
+        run = rel.rsplit("/", 1)[-1].split(".json")[0].lstrip(".")
+        if run in live or now - mtime < grace_s:
+            continue
         if fix:
-            root.delete(rel)
+            stamp = stamp or _stamp()
+            faults.hit("quarantine")
+            root.move(rel, f"{store.QUARANTINE_DIR}/{stamp}/{rel}")
         else:
-            problems.append(f"{rel}: not listed in the manifest (left by an interrupted run; --fix removes it)")
-    if not problems:  # the merged tables are checked by re-merging readable partials
-        bad = merge.check(root, manifest)
-        if bad and fix:
-            merge.rebuild(root, sorted({k for k, _ in bad}))
-            manifest = store.read_manifest(root)
-            bad = merge.check(root, manifest)
-        problems += [msg for _, msg in bad]
-    query.refresh_companions(root)  # runs.parquet and views.sql are caches of the manifest, as in connect()
+            problems.append(f"{rel}: lease of a writer that is gone (--fix moves it to {store.QUARANTINE_DIR}/)")
+
+    # 4. merged tables: every one re-derived from its partials; --fix rebuilds the lost, damaged or wrong
+    want = merge.expected_groups(manifest)
+    damaged = {k for k, e in bad_entries.items() if e["kind"] != "merged"}  # partials: cannot be rebuilt
+
+    def rebuildable(k: str) -> bool:
+        return k not in want or not {m["key"] for m in want[k][3]} & damaged
+
+    bad = merge.check(root, manifest)
+    if fix:
+        todo = sorted({k for k, _ in bad if rebuildable(k)})
+        if todo:
+            merge.rebuild(root, [k for k in todo if k in want])  # (groups without partials are dropped)
+            for k in todo:
+                say(f"rebuilt the merged tables of {k} from its partials" if k in want else f"removed {k}")
+            return validate(root, fix=False, grace_s=grace_s, now=now)  # everything again, on the new record
+    problems += [msg for k, msg in bad if k not in bad_entries]  # a damaged merged file: reported above
+    problems += _companions(root, manifest, fix, say)
     return problems
+
+
+class _Capture(Storage):
+    """`inner` for reading; what is written to it is kept in `written` instead (the bytes a companion
+    should have)."""
+
+    def __init__(self, inner: Storage):
+        self.inner, self.written = inner, {}
+        self.url, self.fs, self.local = inner.url, inner.fs, inner.local
+
+    def __getattribute__(self, name):
+        if name in ("inner", "written", "url", "fs", "local", "replace", "__class__", "__dict__"):
+            return object.__getattribute__(self, name)
+        return getattr(object.__getattribute__(self, "inner"), name)
+
+    def replace(self, rel: str, data: bytes) -> None:
+        self.written[rel] = data
+
+
+def _generation_of(rel: str, data: bytes) -> int | None:
+    """The generation a companion's bytes say they were written from (None: unreadable)."""
+    try:
+        if rel == store.MANIFEST:
+            return int(json.loads(data)["generation"])
+        if rel == store.RUNS_FILE:
+            return int(pq.read_schema(pa.BufferReader(data)).metadata[b"generation"])
+        m = re.match(rb"-- generation (\d+) ", data)
+        return int(m.group(1)) if m else None
+    except Exception:
+        return None
+
+
+def _paths_stripped(text: bytes) -> bytes:
+    """views.sql without the warehouse's location (its absolute paths or URLs, the "Open with" line)."""
+    text = re.sub(rb"'[^'\n]*?/((?:tables/|runs\.parquet)[^'\n]*)'", rb"'\1'", text)
+    return re.sub(rb"(?m)^-- Open with: .*$", b"", text)
+
+
+def _companions(root: Storage, manifest: dict, fix: bool, say) -> list[str]:
+    """manifest.json, runs.parquet and views.sql against what the log says they hold.  Missing or
+    behind the log (a writer died between its record and them): rewritten, as every query does.
+    Claiming the latest generation (or none) but differing: reported, and rewritten by --fix.  Compared
+    byte for byte (runs.parquet too: a reader ignores e.g. its leading magic or its statistics; one
+    written by another pyarrow version is reported once and rewritten by --fix)."""
+    if manifest["entries"]:
+        cap = _Capture(root)
+        store.write_companions(cap, manifest)
+        query.write_views_file(cap, manifest)
+        written = cap.written
+    else:
+        written = {}
+    problems = []
+    for rel, want in written.items():
+        try:
+            got = root.read_bytes(rel)
+        except FileNotFoundError:
+            continue
+        gen = _generation_of(rel, got)
+        if got == want or (gen is not None and gen < manifest["generation"]):
+            continue
+        if rel == store.VIEWS_FILE and _paths_stripped(got) == _paths_stripped(want):
+            continue  # written for this warehouse at another path (copied or moved): `views` rewrites it
+        if fix:
+            root.replace(rel, want)
+            say(f"rewrote {rel} from the commit log")
+        else:
+            problems.append(f"{rel}: differs from the commit log's state (a derived file; --fix rewrites it)")
+    query.refresh_companions(root)  # missing or behind the log: rewritten, as in connect()
+    return problems
+
+
+def _stamp() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S") + "-" + secrets.token_hex(3)
