@@ -204,18 +204,24 @@ def _texts_file(directory: Path, name: str, texts: Iterable[str]) -> Path:
     return path
 
 
+def _is_pair(s) -> bool:
+    """(name, iterable of texts): two items, a str name and no str/bytes texts (("a=x", "b=y") is two sources)."""
+    return (isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[0], str)
+            and not isinstance(s[1], (str, bytes)))
+
+
 def make_sources(sources, o: dict, directory: Path, what: str = "extract_model") -> list:
     """NAME=PATH strings (as --source) or (name, iterable of texts) pairs → Sources.  An iterable is
     read once, in full, into a JSON-lines file in `directory` (its provenance `source_path`)."""
     from .options import check_sources, make_source
 
-    if isinstance(sources, (str, tuple)):
+    if isinstance(sources, str) or _is_pair(sources):  # one source (a tuple of NAME=PATH strings is many)
         sources = [sources]
     out = []
     for s in sources or []:
         if isinstance(s, str):
             out.append(make_source(s, o))
-        elif isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[0], str) and not isinstance(s[1], (str, bytes)):
+        elif _is_pair(s):
             name, texts = s
             try:
                 texts = iter(texts)
@@ -225,6 +231,9 @@ def make_sources(sources, o: dict, directory: Path, what: str = "extract_model")
                 raise UserError(f"{what}: source name {name!r}: expected 1-64 letters, digits, '.', '_' or '-' "
                                 "(not starting with '.' or '-', and not 'all')")
             out.append(make_source(f"{name}={_texts_file(directory, name, texts)}", o))
+        elif isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[0], str) and isinstance(s[1], (str, bytes)):
+            raise UserError(f"{what}: source {s[0]!r}: expected an iterable of texts, not a single "
+                            f"{type(s[1]).__name__} (one text: [text])")
         else:
             raise UserError(f"{what}: a source is a NAME=PATH string or a (name, iterable of texts) pair, "
                             f"not {type(s).__name__}")

@@ -207,6 +207,9 @@ def test_bad_arguments_are_one_line(workdir, sources, model_factory):
     _one_line(extract_model, model, tok, [("bad name", ["x"])], wh, name="m", match="source name 'bad name'")
     _one_line(extract_model, model, tok, [("b", ["x", 3])], wh, name="m", match="text 1 is a int")
     _one_line(extract_model, model, tok, [42], wh, name="m", match="NAME=PATH string or a")
+    _one_line(extract_model, model, tok, [("b", "one text")], wh, name="m", match="not a single str")
+    with pytest.raises(UserError, match="no such file"):  # a tuple of NAME=PATH strings is two sources
+        extract_model(model, tok, (alpha, "beta=/no/such.txt"), wh, name="m")
     _one_line(extract_model, "a model", tok, [alpha], wh, name="m", match="expected a Hugging Face model")
     _one_line(extract_model, model, tok, [alpha], wh, name="m", unit="word", match="--unit 'word'")
     _one_line(extract_model, model, tok, [alpha], wh, name="m", step=-1, match="step -1")
