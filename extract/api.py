@@ -205,9 +205,12 @@ def _texts_file(directory: Path, name: str, texts: Iterable[str]) -> Path:
 
 
 def _is_pair(s) -> bool:
-    """(name, iterable of texts): two items, a str name and no str/bytes texts (("a=x", "b=y") is two sources)."""
-    return (isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[0], str)
-            and not isinstance(s[1], (str, bytes)))
+    """(name, iterable of texts): two items, a name (no '=', not a built-in source) and texts that are
+    no str/bytes — so ("a=x", "b=y") and ["a=x", ("b", texts)] are two sources each."""
+    from .sources import BUILTIN
+
+    return (isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[0], str) and "=" not in s[0]
+            and s[0] not in BUILTIN and not isinstance(s[1], (str, bytes)))
 
 
 def make_sources(sources, o: dict, directory: Path, what: str = "extract_model") -> list:
@@ -215,7 +218,7 @@ def make_sources(sources, o: dict, directory: Path, what: str = "extract_model")
     read once, in full, into a JSON-lines file in `directory` (its provenance `source_path`)."""
     from .options import check_sources, make_source
 
-    if isinstance(sources, str) or _is_pair(sources):  # one source (a tuple of NAME=PATH strings is many)
+    if isinstance(sources, str) or (isinstance(sources, tuple) and _is_pair(sources)):  # one source
         sources = [sources]
     out = []
     for s in sources or []:
@@ -231,7 +234,8 @@ def make_sources(sources, o: dict, directory: Path, what: str = "extract_model")
                 raise UserError(f"{what}: source name {name!r}: expected 1-64 letters, digits, '.', '_' or '-' "
                                 "(not starting with '.' or '-', and not 'all')")
             out.append(make_source(f"{name}={_texts_file(directory, name, texts)}", o))
-        elif isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[0], str) and isinstance(s[1], (str, bytes)):
+        elif (isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[0], str) and "=" not in s[0]
+              and isinstance(s[1], (str, bytes))):
             raise UserError(f"{what}: source {s[0]!r}: expected an iterable of texts, not a single "
                             f"{type(s[1]).__name__} (one text: [text])")
         else:
