@@ -185,7 +185,7 @@ def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint
         bar.update(1)
     bar.close()
     record["seconds"] = round(time.perf_counter() - start, 1)
-    if save:  # train.json says the checkpoints are there
+    if save_to_disk:  # train.json says the checkpoints are there (`save` is the function above: always true)
         (out / "train.json").write_text(json.dumps(record, indent=1))
     log(f"{out}: trained {settings.steps} steps in {record['seconds']} s, final loss {loss_val:.3f}, "
         f"{len(record['checkpoints'])} checkpoints")

@@ -184,6 +184,15 @@ def test_train_probe_equals_extract_of_its_checkpoints(workdir, sources):
     assert code == 0, err
     got = views(wh)
     assert got == views(ref_wh) and {r[0] for r in got["shards"]} == {"step0", "step4"}
+    # --no-checkpoints with other settings: the saved checkpoints stay, train.json still describes them
+    # (it was rewritten with the new settings, so a later `train` with those reused the old weights)
+    record = (out / "train.json").read_text()
+    code, _, err = run_cli("train", "--source", probe, "--out", out, "--width", "32", "--depth", "2", "--heads", "2",
+                           "--context", "32", "--vocab", "300", "--steps", "4", "--save-every", "4", "--seed", "1",
+                           "--batch-size", "4", "--probe", probe, "--warehouse", workdir / "probe-wh-2",
+                           "--probe-tokens", "300", "--no-checkpoints")
+    assert code == 0, err
+    assert (out / "train.json").read_text() == record
 
 
 def _one_line(fn, *args, match: str, **kw):
