@@ -247,6 +247,16 @@ def make_sources(sources, o: dict, directory: Path, what: str = "extract_model")
     return out
 
 
+def open_warehouse(warehouse, what: str):
+    """The warehouse's storage, checked now (not at the first write, minutes or N steps later): a local
+    path that is a file, or a manifest that cannot be read, is one line."""
+    if "://" not in str(warehouse) and Path(warehouse).exists() and not Path(warehouse).is_dir():
+        raise UserError(f"{what}: warehouse {warehouse}: not a directory")
+    root = open_storage(warehouse)
+    store.read_manifest(root)
+    return root
+
+
 def _check_name(value, what: str) -> str:
     if not isinstance(value, str) or not value.strip() or value != value.strip() or "\n" in value:
         raise UserError(f"{what} {value!r}: expected a non-empty name")
@@ -291,7 +301,7 @@ def extract_model(model, tokenizer, sources, warehouse, *, name: str, checkpoint
     device, dtype = model_place(model)
     o = job_options(settings, device, dtype, what)
     job = make_job_settings(o)
-    root = open_storage(warehouse)
+    root = open_warehouse(warehouse, what)
     log = log or _quiet
     ref = ModelRef(name, f"in-memory {type(model).__name__} {getattr(model.config, '_name_or_path', '') or ''}".strip(),
                    False)

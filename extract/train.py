@@ -101,6 +101,10 @@ def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint
         raise UserError("--no-checkpoints keeps nothing without --probe")
     if probe is not None and probe.max_tokens is not None and probe.max_tokens < 1:
         raise UserError("--probe-tokens must be at least 1")
+    if probe is not None:  # a warehouse that cannot take the probes: now, not after the tokenizer and step 0
+        from .api import open_warehouse
+
+        open_warehouse(probe.warehouse, "--warehouse")
     if probe is None and save and finished(out, settings, source_fingerprint):
         log(f"{out}: already trained with these settings; reusing it")
         return json.loads((out / "train.json").read_text())

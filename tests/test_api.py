@@ -226,7 +226,14 @@ def test_bad_arguments_are_one_line(workdir, sources, model_factory):
     _one_line(IsotropyCallback, tok, "probe", wh, name="m", match="expected NAME=PATH")
     _one_line(IsotropyCallback, tok, alpha, wh, name="m", every=0, match="every=0")
     _one_line(IsotropyCallback, tok, alpha, wh, name="m", colour=1, match="unknown setting 'colour'")
+    afile = workdir / "api-bad-file"
+    afile.write_text("x")
+    _one_line(extract_model, model, tok, [alpha], afile, name="m", match="warehouse .*: not a directory")
+    _one_line(IsotropyCallback, tok, alpha, afile, name="m", match="warehouse .*: not a directory")
     assert not (wh / "tables").exists()  # nothing written
     for args in (["--probe", "nope"], ["--source", alpha, "--no-checkpoints"]):
         code, _, err = run_cli("train", "--out", workdir / "x", *args)
         assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    code, _, err = run_cli("train", "--out", workdir / "y", "--source", alpha, "--probe", alpha, "--warehouse", afile)
+    assert code == 2 and err.strip() == f"error: --warehouse: warehouse {afile}: not a directory", err
+    assert not (workdir / "y").exists()  # before the tokenizer and step 0
