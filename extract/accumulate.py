@@ -1280,9 +1280,13 @@ class _Spill:
     def _directory(self) -> Path:
         if self.dir is None:
             root = Path(self.root) if self.root is not None else Path(tempfile.gettempdir())
-            root.mkdir(parents=True, exist_ok=True)
-            remove_orphans(root)
-            new = Path(tempfile.mkdtemp(prefix="." + self.PREFIX, dir=root))
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                remove_orphans(root)
+                new = Path(tempfile.mkdtemp(prefix="." + self.PREFIX, dir=root))
+            except OSError as e:  # a file, a read-only or full disk: one line, not "[Errno 17] File exists"
+                raise UserError(f"spilling token sums: --spill-dir {root}: {e.strerror or e}; choose another "
+                                f"--spill-dir or raise --memory-budget") from e
             self._lock = open(new / "lock", "w")
             if fcntl is not None:
                 fcntl.flock(self._lock, fcntl.LOCK_EX)

@@ -204,18 +204,27 @@ def _texts_file(directory: Path, name: str, texts: Iterable[str]) -> Path:
     return path
 
 
+def _is_pair(s) -> bool:
+    """(name, iterable of texts): two items, a name (no '=', not a built-in source) and texts that are
+    no str/bytes — so ("a=x", "b=y") and ["a=x", ("b", texts)] are two sources each."""
+    from .sources import BUILTIN
+
+    return (isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[0], str) and "=" not in s[0]
+            and s[0] not in BUILTIN and not isinstance(s[1], (str, bytes)))
+
+
 def make_sources(sources, o: dict, directory: Path, what: str = "extract_model") -> list:
     """NAME=PATH strings (as --source) or (name, iterable of texts) pairs → Sources.  An iterable is
     read once, in full, into a JSON-lines file in `directory` (its provenance `source_path`)."""
     from .options import check_sources, make_source
 
-    if isinstance(sources, (str, tuple)):
+    if isinstance(sources, str) or (isinstance(sources, tuple) and _is_pair(sources)):  # one source
         sources = [sources]
     out = []
     for s in sources or []:
         if isinstance(s, str):
             out.append(make_source(s, o))
-        elif isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[0], str) and not isinstance(s[1], (str, bytes)):
+        elif _is_pair(s):
             name, texts = s
             try:
                 texts = iter(texts)
@@ -225,6 +234,10 @@ def make_sources(sources, o: dict, directory: Path, what: str = "extract_model")
                 raise UserError(f"{what}: source name {name!r}: expected 1-64 letters, digits, '.', '_' or '-' "
                                 "(not starting with '.' or '-', and not 'all')")
             out.append(make_source(f"{name}={_texts_file(directory, name, texts)}", o))
+        elif (isinstance(s, (tuple, list)) and len(s) == 2 and isinstance(s[0], str) and "=" not in s[0]
+              and isinstance(s[1], (str, bytes))):
+            raise UserError(f"{what}: source {s[0]!r}: expected an iterable of texts, not a single "
+                            f"{type(s[1]).__name__} (one text: [text])")
         else:
             raise UserError(f"{what}: a source is a NAME=PATH string or a (name, iterable of texts) pair, "
                             f"not {type(s).__name__}")
@@ -232,6 +245,16 @@ def make_sources(sources, o: dict, directory: Path, what: str = "extract_model")
     if not out and not o["params_only"]:
         raise UserError(f"{what}: give at least one source (or params_only=True)")
     return out
+
+
+def open_warehouse(warehouse, what: str):
+    """The warehouse's storage, checked now (not at the first write, minutes or N steps later): a local
+    path that is a file, or a manifest that cannot be read, is one line."""
+    if "://" not in str(warehouse) and Path(warehouse).exists() and not Path(warehouse).is_dir():
+        raise UserError(f"{what}: warehouse {warehouse}: not a directory")
+    root = open_storage(warehouse)
+    store.read_manifest(root)
+    return root
 
 
 def _check_name(value, what: str) -> str:
@@ -278,7 +301,7 @@ def extract_model(model, tokenizer, sources, warehouse, *, name: str, checkpoint
     device, dtype = model_place(model)
     o = job_options(settings, device, dtype, what)
     job = make_job_settings(o)
-    root = open_storage(warehouse)
+    root = open_warehouse(warehouse, what)
     log = log or _quiet
     ref = ModelRef(name, f"in-memory {type(model).__name__} {getattr(model.config, '_name_or_path', '') or ''}".strip(),
                    False)

@@ -15,10 +15,8 @@ import logging
 from transformers import TrainerCallback
 
 from isotropy_warehouse.errors import UserError
-from warehouse import store
-from warehouse.storage import open_storage
 
-from .api import SETTING_DEFAULTS, make_sources, probe_isotropy
+from .api import SETTING_DEFAULTS, make_sources, open_warehouse, probe_isotropy
 
 LOG = logging.getLogger("isotropy_warehouse")
 
@@ -49,7 +47,7 @@ class IsotropyCallback(TrainerCallback):
             raise UserError(f"IsotropyCallback: unknown setting {unknown[0]!r} (settings are cli.py extract's options "
                             "by their Python names)")
         make_sources([source], {**SETTING_DEFAULTS, **settings}, None, "IsotropyCallback")  # a bad source: now
-        store.read_manifest(open_storage(warehouse))  # an unreachable or foreign warehouse: now, not at step N
+        open_warehouse(warehouse, "IsotropyCallback")  # a file, an unreachable or foreign warehouse: now, not at step N
         self.tokenizer, self.source, self.warehouse = tokenizer, source, warehouse
         self.name, self.max_tokens, self.every, self.trainer = name, max_tokens, every, trainer
         self.settings = settings

@@ -121,6 +121,10 @@ def doctor(model: str, device: str | None = None, dtype: str | None = None, seco
     if n_batches < 1:
         raise UserError(f"--batches {n_batches}: expected at least 1")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise UserError(f"--device {device!r}: expected cpu or cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():  # else torch's AssertionError, a traceback
+        raise UserError(f"--device {device}: no CUDA device is available")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
@@ -221,6 +225,16 @@ def summary(report: dict) -> str:
     ]
     lines += [f"warning: {w}" for w in report["warnings"]]
     return "\n".join(lines)
+
+
+def check_out(out: str | Path) -> Path:
+    """The report's path, checked before anything is measured (not after a minute of it)."""
+    out = Path(out)
+    if out.is_dir():
+        raise UserError(f"--out {out}: is a directory; give a file name (e.g. {out / 'doctor.json'})")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: no directory {out.parent}")
+    return out
 
 
 def write_report(report: dict, out: str | Path) -> Path:

@@ -101,6 +101,10 @@ def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint
         raise UserError("--no-checkpoints keeps nothing without --probe")
     if probe is not None and probe.max_tokens is not None and probe.max_tokens < 1:
         raise UserError("--probe-tokens must be at least 1")
+    if probe is not None:  # a warehouse that cannot take the probes: now, not after the tokenizer and step 0
+        from .api import open_warehouse
+
+        open_warehouse(probe.warehouse, "--warehouse")
     if probe is None and save and finished(out, settings, source_fingerprint):
         log(f"{out}: already trained with these settings; reusing it")
         return json.loads((out / "train.json").read_text())
@@ -185,7 +189,7 @@ def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint
         bar.update(1)
     bar.close()
     record["seconds"] = round(time.perf_counter() - start, 1)
-    if save:  # train.json says the checkpoints are there
+    if save_to_disk:  # train.json says the checkpoints are there (`save` is the function above: always true)
         (out / "train.json").write_text(json.dumps(record, indent=1))
     log(f"{out}: trained {settings.steps} steps in {record['seconds']} s, final loss {loss_val:.3f}, "
         f"{len(record['checkpoints'])} checkpoints")

@@ -480,9 +480,10 @@ def doctor(
 
     Example: python cli.py doctor --model pythia-1.4b --seconds 30 --out doctor.json
     """
-    from extract.doctor import doctor as run_doctor, summary, write_report
+    from extract.doctor import check_out, doctor as run_doctor, summary, write_report
 
     try:
+        check_out(out)
         rep = run_doctor(model, device, dtype, seconds, source, batches, max_length, batch_tokens, trust_remote_code)
     except UserError as e:
         fail(str(e))

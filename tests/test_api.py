@@ -184,6 +184,15 @@ def test_train_probe_equals_extract_of_its_checkpoints(workdir, sources):
     assert code == 0, err
     got = views(wh)
     assert got == views(ref_wh) and {r[0] for r in got["shards"]} == {"step0", "step4"}
+    # --no-checkpoints with other settings: the saved checkpoints stay, train.json still describes them
+    # (it was rewritten with the new settings, so a later `train` with those reused the old weights)
+    record = (out / "train.json").read_text()
+    code, _, err = run_cli("train", "--source", probe, "--out", out, "--width", "32", "--depth", "2", "--heads", "2",
+                           "--context", "32", "--vocab", "300", "--steps", "4", "--save-every", "4", "--seed", "1",
+                           "--batch-size", "4", "--probe", probe, "--warehouse", workdir / "probe-wh-2",
+                           "--probe-tokens", "300", "--no-checkpoints")
+    assert code == 0, err
+    assert (out / "train.json").read_text() == record
 
 
 def _one_line(fn, *args, match: str, **kw):
@@ -207,6 +216,9 @@ def test_bad_arguments_are_one_line(workdir, sources, model_factory):
     _one_line(extract_model, model, tok, [("bad name", ["x"])], wh, name="m", match="source name 'bad name'")
     _one_line(extract_model, model, tok, [("b", ["x", 3])], wh, name="m", match="text 1 is a int")
     _one_line(extract_model, model, tok, [42], wh, name="m", match="NAME=PATH string or a")
+    _one_line(extract_model, model, tok, [("b", "one text")], wh, name="m", match="not a single str")
+    with pytest.raises(UserError, match="no such file"):  # a tuple of NAME=PATH strings is two sources
+        extract_model(model, tok, (alpha, "beta=/no/such.txt"), wh, name="m")
     _one_line(extract_model, "a model", tok, [alpha], wh, name="m", match="expected a Hugging Face model")
     _one_line(extract_model, model, tok, [alpha], wh, name="m", unit="word", match="--unit 'word'")
     _one_line(extract_model, model, tok, [alpha], wh, name="m", step=-1, match="step -1")
@@ -214,7 +226,14 @@ def test_bad_arguments_are_one_line(workdir, sources, model_factory):
     _one_line(IsotropyCallback, tok, "probe", wh, name="m", match="expected NAME=PATH")
     _one_line(IsotropyCallback, tok, alpha, wh, name="m", every=0, match="every=0")
     _one_line(IsotropyCallback, tok, alpha, wh, name="m", colour=1, match="unknown setting 'colour'")
+    afile = workdir / "api-bad-file"
+    afile.write_text("x")
+    _one_line(extract_model, model, tok, [alpha], afile, name="m", match="warehouse .*: not a directory")
+    _one_line(IsotropyCallback, tok, alpha, afile, name="m", match="warehouse .*: not a directory")
     assert not (wh / "tables").exists()  # nothing written
     for args in (["--probe", "nope"], ["--source", alpha, "--no-checkpoints"]):
         code, _, err = run_cli("train", "--out", workdir / "x", *args)
         assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    code, _, err = run_cli("train", "--out", workdir / "y", "--source", alpha, "--probe", alpha, "--warehouse", afile)
+    assert code == 2 and err.strip() == f"error: --warehouse: warehouse {afile}: not a directory", err
+    assert not (workdir / "y").exists()  # before the tokenizer and step 0

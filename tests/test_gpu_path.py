@@ -333,6 +333,14 @@ def test_doctor_measures_checks_and_saves_a_report(model_factory, sources, tmp_p
     assert rep["versions"]["torch"] and "ratio" in err and "saved:" in err
     code, _, err = run_cli("doctor", "--model", model_factory("gpt_neox"), "--seconds", "0", "--out", out)
     assert code == 2 and err.strip() == "error: --seconds 0.0: expected a positive number"
+    for args, message in ((["--out", tmp_path / "no" / "r.json"], f"--out {tmp_path / 'no' / 'r.json'}: no directory"),
+                          (["--out", tmp_path], "is a directory"),
+                          (["--device", "tpu"], "--device 'tpu': expected cpu or cuda")):
+        code, _, err = run_cli("doctor", "--model", model_factory("gpt_neox"), "--seconds", "0.1", *args)
+        assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    if not torch.cuda.is_available():  # was torch's AssertionError (a traceback)
+        code, _, err = run_cli("doctor", "--model", model_factory("gpt_neox"), "--device", "cuda")
+        assert code == 2 and err.strip() == "error: --device cuda: no CUDA device is available", err
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU tests above cover the arithmetic)")

@@ -269,3 +269,16 @@ def test_a_spill_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
             acc.set_batch(ids, counted)
     acc.close()
     assert not list(tmp_path.iterdir())
+
+
+def test_a_spill_dir_that_cannot_be_made_is_one_line(tmp_path):
+    """--spill-dir naming a file (or a directory that cannot be made): one line naming the option,
+    not `[Errno 17] File exists`."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    acc = TokenSums(L, V, D, "cpu", budget=3 * B * T * slot_bytes(), spill_dir=afile, host_budget=None)
+    with pytest.raises(UserError, match=f"--spill-dir {afile}: File exists; choose another --spill-dir"):
+        for ids, counted, hidden in zipf_batches(5_000):
+            acc.set_batch(ids, counted)
+    acc.close()
+    assert afile.read_text() == "x"
