@@ -398,8 +398,7 @@ class ReadOnlyConnection(_Delegate):
     __slots__ = ()
     _SQL_FIRST = frozenset({"execute", "executemany", "sql", "query", "from_query"})
     _REFUSED = {"register_filesystem": "registering a file system",
-                "query_appender": "an appender that runs DML",
-                "enable_profiling": "profiling (it can write its output to a file)"}
+                "query_appender": "an appender that runs DML"}
 
     def __enter__(self):
         return self
