@@ -217,18 +217,69 @@ def test_sql_refuses_every_writing_statement_in_one_line(wh, tmp_path):
 
 
 def test_connect_connections_cannot_write_reach_files_or_load_extensions(wh, tmp_path):
+    from isotropy_warehouse.errors import UserError
     from warehouse.query import connect
 
     before, outside = tree(wh), tree(tmp_path)
     con = connect(wh)
-    for q in _forbidden(wh, tmp_path)[2:]:
-        if q.startswith(("CREATE TABLE", "SELECT 1;", "EXPLAIN")):
-            continue  # in-memory tables and the like: harmless on a connection (sql() refuses them)
-        with pytest.raises(duckdb.Error):
+    for q in _forbidden(wh, tmp_path):  # checked statements (UserError), DuckDB's lock behind them
+        with pytest.raises((UserError, duckdb.Error)):
             con.execute(q)
+        with pytest.raises(duckdb.Error):  # the lock alone, under the checks: all but the in-place overwrite
+            if "USE_TMP_FILE false" not in q and not q.startswith(("CREATE TABLE", "SELECT 1;", "EXPLAIN")):
+                con._raw.execute(q)
+            else:
+                raise duckdb.Error("not covered by the lock alone")
     assert con.execute("SELECT count(*) FROM inter_sim").fetchone()[0] > 0  # the views still read
     con.close()
     assert tree(wh) == before and tree(tmp_path) == outside
+
+
+def test_no_connect_connection_path_can_overwrite_a_listed_file(wh, tmp_path):
+    """DuckDB's allowed_paths grants writing too: every way through the API that `connect()` hands
+    out — statements, cursors, duplicates, relations' writers, relation.query — is refused."""
+    from isotropy_warehouse.errors import UserError
+    from warehouse.query import connect
+
+    listed = next((wh / "tables" / "token_stats").rglob("*.parquet"))
+    copy = f"COPY (SELECT 42 AS x) TO '{listed}' (FORMAT parquet, USE_TMP_FILE false)"
+    before = tree(wh)
+    con = connect(wh)
+    attempts = [
+        lambda: con.execute(copy), lambda: con.sql(copy), lambda: con.query(copy),
+        lambda: con.from_query(copy), lambda: con.executemany(copy, [[]]),
+        lambda: con.execute(duckdb.extract_statements(copy)[0]),
+        lambda: con.execute(f"SELECT 1; {copy}"),
+        lambda: con.cursor().execute(copy), lambda: con.duplicate().sql(copy),
+        lambda: con.execute("SELECT 1").execute(copy),  # execute returns the (checked) connection
+        lambda: con.cursor().cursor().from_query(copy),
+        lambda: con.sql("SELECT 1").query("t", copy),
+        lambda: con.sql("SELECT 42 AS x").filter("x > 0").write_parquet(str(listed)),
+        lambda: con.sql("SELECT 42 AS x").to_parquet(str(listed)),
+        lambda: con.table("token_stats").to_csv(str(listed)),
+        lambda: con.sql("SELECT 42 AS x").write_csv(str(listed)),
+        lambda: con.sql("SELECT 42 AS x").to_table("t"),
+        lambda: con.read_parquet(str(tmp_path / "nowhere.parquet")),
+        lambda: con.read_csv("/etc/passwd"),
+        lambda: con.register_filesystem(None),
+        lambda: con.execute("CREATE TABLE t AS SELECT 1"),
+    ]
+    for i, attempt in enumerate(attempts):
+        with pytest.raises((UserError, duckdb.Error)):
+            attempt()
+        assert tree(wh) == before, i
+    # reading still works, as a DuckDBPyConnection would
+    assert con.execute("SELECT count(*) FROM inter_sim").fetchall()[0][0] > 0
+    assert con.execute("SELECT count(*) AS n FROM runs WHERE kind = ?", ["data"]).fetchall() == [(1,)]
+    assert con.sql("SELECT count(*) AS n FROM runs WHERE kind = $k", params={"k": "data"}).pl()["n"][0] == 1
+    assert con.sql("SELECT * FROM inter_sim").filter("layer >= 0").order("layer").pl().height > 0
+    assert len(con.table("layer_totals").df()) > 0 and "layer" in con.sql("SELECT layer FROM inter_sim").columns
+    assert con.cursor().execute("SELECT 1").fetchall() == [(1,)]
+    assert con.sql("SELECT 2 AS x").query("t", "SELECT x + 1 FROM t").fetchall() == [(3,)]
+    con.close()
+    with connect(wh) as c2:
+        assert c2.execute("EXPLAIN SELECT * FROM inter_sim").fetchall()
+    assert tree(wh) == before
 
 
 def test_python_sql_refuses_writes(wh, tmp_path):
