@@ -3,7 +3,9 @@
 A notebook cell, `nohup`, `> log 2>&1` or a Slurm log has no terminal on stderr, where tqdm's bar is
 off (`disable=None`) and a long run would say nothing for minutes.  There `progress()` prints one plain
 line every ISO_PROGRESS_INTERVAL seconds (default 30) or every 10 % of a known total, whichever comes
-first (but not within a sixth of the interval of the last line), and one when it ends:
+first (but not within a sixth of the interval of the last line), and one when it ends — if it printed a
+line before or took at least a sixth of the interval (a step of a second says nothing: the command's
+own summary follows):
 
     train micro-tied: 120/600 step (20%), loss 3.412, 4.1 step/s (8.4k tok/s), ETA 1m57s
     minilm@main stdlib-docs: 40.0k/100k tok (40%), 12.3k tok/s, ETA 5s
@@ -65,6 +67,7 @@ class Lines:
         self.postfix = ""
         self.start = self.last = time.monotonic()
         self.last_step = 0  # the last PERCENT_STEP multiple printed
+        self.printed = False
         self.closed = False
 
     def set_postfix(self, refresh: bool = True, **kw) -> None:
@@ -91,6 +94,7 @@ class Lines:
     def _print(self, done: bool = False) -> None:
         print(self.line(done), file=self.file, flush=True)
         self.last = time.monotonic()
+        self.printed = True
 
     def update(self, n: float = 1) -> None:
         self.n += n
@@ -105,7 +109,8 @@ class Lines:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._print(done=True)
+            if self.printed or time.monotonic() - self.start >= self.every / 6:
+                self._print(done=True)
 
     def wrap(self, iterable):
         """tqdm(iterable): yields its items, counting each; the last line when it is exhausted."""
@@ -117,8 +122,11 @@ class Lines:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        if kind is None:
+            self.close()
+        else:  # the step failed: its error says so, not a "done" line
+            self.closed = True
 
 
 def progress(desc: str, total: float | None = None, unit: str = "it", unit_scale: bool = False, file=None,

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import run_cli
 from isotropy_warehouse.progress import Lines, progress
 from tqdm import tqdm
@@ -83,3 +85,26 @@ def test_a_terminal_gets_the_tqdm_bar_alone():
     assert text.count("\n") <= 1 and "ETA" not in text and "done in" not in text  # one bar, redrawn in place
     assert list(progress("t", iterable=[1, 2], file=f)) == [1, 2]
     assert list(progress("u", iterable=[1, 2], file=io.StringIO())) == [1, 2]
+
+
+def test_a_short_step_or_a_failed_one_prints_no_done_line(monkeypatch):
+    """A step shorter than a sixth of the interval that printed nothing ends silently (the command's
+    own summary or one-line error follows); a failed step never says "done"."""
+    clock = [0.0]
+    monkeypatch.setattr("isotropy_warehouse.progress.time.monotonic", lambda: clock[0])
+    f = io.StringIO()
+    with Lines("short", total=100, unit="tok", file=f, every=30) as bar:
+        clock[0] += 4.0
+        bar.update(100)
+    assert f.getvalue() == ""
+    with Lines("long", total=100, unit="tok", file=f, every=30) as bar:
+        clock[0] += 6.0
+        bar.update(100)
+    assert f.getvalue().startswith("long: 100/100 tok (100%)") and "done in" in f.getvalue()
+    f = io.StringIO()
+    with pytest.raises(ValueError):
+        with Lines("failed", total=100, unit="tok", file=f, every=30) as bar:
+            clock[0] += 60.0
+            bar.update(10)
+            raise ValueError("x")
+    assert "done in" not in f.getvalue()
