@@ -36,3 +36,9 @@ def hit(point: str) -> None:
 
 def _pause(flag: str) -> None:
     """Announce the pause (flag + '.reached') and wait while `flag` exists (at most 10 minutes)."""
+    import time
+
+    open(flag + ".reached", "w").close()
+    deadline = time.monotonic() + 600
+    while os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)

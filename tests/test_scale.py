@@ -13,7 +13,6 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_scale import write_partial, write_vocab  # noqa: E402  (the extract writer, synthetic sums)
-from test_s3 import BUCKET, s3, s3env  # noqa: E402,F401  (moto's S3 server on loopback)
 
 DTYPES = ("float16", "float32", "float64")
 
@@ -66,31 +65,6 @@ def test_views_bind_by_one_file_and_read_every_dtype_exactly(tmp_path):
     assert con.execute("SELECT * FROM avg_intra_sim ORDER BY ALL").fetchall() == before  # merged tables only
     with pytest.raises(Exception):
         con.execute("SELECT sum(n) FROM token_sums").fetchall()  # the broken files are read only by a query
-    con.close()
-
-
-def test_views_on_s3_bind_without_listing_or_opening_the_partials(s3env, tmp_path):
-    """The same on S3 (moto): each table is a pyarrow dataset made from the listed paths and the
-    schema alone — every partial's token_sums object but the first deleted, connect and the merged
-    views still work (a guard: this held before the local fix too)."""
-    from warehouse.query import connect
-    from warehouse.storage import open_storage
-
-    url = f"s3://{BUCKET}/scale-startup"
-    entries = many_partials(url, 24)
-    con = connect(url)
-    before = con.execute("SELECT * FROM avg_intra_sim ORDER BY ALL").fetchall()
-    total = con.execute("SELECT count(*) FROM token_sums").fetchone()
-    con.close()
-    assert total[0] > 0
-    st = open_storage(url)
-    keep = first_bound(url)
-    for e in entries:
-        if e["files"]["token_sums"] != keep:
-            st.delete(e["files"]["token_sums"])
-    con = connect(url)
-    assert con.execute("SELECT 1").fetchone() == (1,)
-    assert con.execute("SELECT * FROM avg_intra_sim ORDER BY ALL").fetchall() == before
     con.close()
 
 
