@@ -319,7 +319,11 @@ def verify_listed(root, manifest: dict) -> int:
             path = os.path.abspath(st.path(rel))
             key = _file_key(path, want)
             if key is None or cache.get(path) != key:
-                storage.verify(st, rel, want, merge.repair_hint(e))
+                try:
+                    storage.verify(st, rel, want, merge.repair_hint(e))
+                except storage.MissingFile:
+                    raise UserError(f"{st.display(rel)}: listed in the manifest but missing; "
+                                    f"{merge.repair_hint(e)}") from None
                 hashed += 1
                 if _file_key(path, want) != key:  # changed while it was hashed: hashed again next time
                     continue
