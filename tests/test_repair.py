@@ -449,6 +449,31 @@ def test_connect_hashes_each_file_version_once(small, own_cache, tmp_path, monke
     assert query.verify_listed(small, store.read_manifest(small)) == 0  # the clean copy: still warm
 
 
+def test_a_commit_puts_its_own_files_in_the_verified_cache(own_cache, tmp_path, monkeypatch):
+    """The committer hashed its files while writing them: its commit remembers them (size, times,
+    inode as right after the rename), so the first query hashes only what another process wrote —
+    and a file changed between its write and the commit is not remembered."""
+    from bench_query import write_partial
+    from warehouse import storage
+    from warehouse.query import connect
+
+    root = tmp_path / "wh"
+    rng = np.random.default_rng(7)
+    merge.commit(root, [write_partial(root, "m", "c", "s0", "1-of-1", 3, 40, 8, rng, chunk=17)])
+    entry = write_partial(root, "m", "c", "s1", "1-of-1", 3, 40, 8, rng, chunk=17)
+    changed = root / entry["files"]["token_sums"]
+    os.utime(changed, ns=(1, 1))  # touched after its write: its times no longer match the ones at write
+    merge.commit(root, [entry])
+    calls = []
+    real = storage.checksum
+    monkeypatch.setattr(storage, "checksum", lambda st_, rel: calls.append(rel) or real(st_, rel))
+    connect(root).close()
+    assert calls == [entry["files"]["token_sums"]]  # only the file touched after its write
+    calls.clear()
+    connect(root).close()
+    assert calls == []
+
+
 def test_connect_verifies_every_time_without_a_writable_cache(small, tmp_path, monkeypatch):
     from warehouse import storage
     from warehouse.query import connect

@@ -265,34 +265,6 @@ def connect(root="warehouse") -> "ReadOnlyConnection":
 
 # ---------------------------------------------------------------- verified before the views read it
 
-VERIFIED_CACHE = "verified-files.json"
-CACHE_ENTRIES = 200_000  # ~25 MB of JSON; beyond it the other warehouses' entries are forgotten
-
-
-def cache_dir() -> Path:
-    """The user's cache directory of this tool (the report's Vega bundle is kept there too)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "isotropy-warehouse"
-
-
-def _file_key(path: str, want: dict) -> list | None:
-    """What identifies one version of a local file (absolute path → [size, mtime_ns, ctime_ns, inode,
-    recorded blake2b]); None when it cannot be stat'ed (verify() then names it as missing).  Writing
-    the file's bytes changes its mtime and ctime; ctime cannot be set back by hand (`touch -d`)."""
-    try:
-        s = os.stat(path)
-    except OSError:
-        return None
-    return [s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, want[storage.HASH]]
-
-
-def _read_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_bytes())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
 def verify_listed(root, manifest: dict) -> int:
     """Verify every local file the views read — each file the manifest lists that has a recorded
     checksum — against its commit record (size and blake2b), but each file version only once: a
@@ -307,8 +279,8 @@ def verify_listed(root, manifest: dict) -> int:
     st = open_storage(root)
     if not st.local:
         return 0
-    cache_file = cache_dir() / VERIFIED_CACHE
-    cache = _read_cache(cache_file)
+    cache_file = store.cache_dir() / store.VERIFIED_CACHE
+    cache = store.read_verified_cache(cache_file)
     hashed, current = 0, {}
     for e in manifest["entries"].values():
         sums = e.get("checksums") or {}
@@ -317,7 +289,7 @@ def verify_listed(root, manifest: dict) -> int:
             if not want:
                 continue
             path = os.path.abspath(st.path(rel))
-            key = _file_key(path, want)
+            key = store.file_key(path, want)
             if key is None or cache.get(path) != key:
                 try:
                     storage.verify(st, rel, want, merge.repair_hint(e))
@@ -325,13 +297,13 @@ def verify_listed(root, manifest: dict) -> int:
                     raise UserError(f"{st.display(rel)}: listed in the manifest but missing; "
                                     f"{merge.repair_hint(e)}") from None
                 hashed += 1
-                if _file_key(path, want) != key:  # changed while it was hashed: hashed again next time
+                if store.file_key(path, want) != key:  # changed while it was hashed: hashed again next time
                     continue
             current[path] = key
     if hashed:
         prefix = os.path.join(os.path.abspath(st.path("")), "")
         kept = {p: k for p, k in cache.items() if not p.startswith(prefix)}  # other warehouses' files
-        if len(kept) > CACHE_ENTRIES:  # bounded: deleted warehouses' entries would pile up forever
+        if len(kept) > store.CACHE_ENTRIES:  # bounded: deleted warehouses' entries would pile up forever
             kept = {}
         kept.update(current)  # this warehouse: the files it lists now (replaced ones drop out)
         try:
