@@ -376,6 +376,135 @@ def test_any_changed_byte_of_any_file_is_reported(small, tmp_path_factory, which
         assert (wh / rel).read_bytes() == (small / rel).read_bytes()
 
 
+def all_views(wh: Path) -> dict[str, str]:
+    """Every view's rows (sorted, as text: NaN equals NaN) through connect()."""
+    from warehouse.query import BASE_VIEWS, connect, load_metrics
+
+    with connect(wh) as con:
+        return {v: repr(con.sql(f"SELECT * FROM {v} ORDER BY ALL").fetchall())
+                for v in (*BASE_VIEWS, *(m.name for m in load_metrics()))}
+
+
+@pytest.fixture(scope="module")
+def own_cache(tmp_path_factory):
+    """connect()'s verified-files cache in a directory of this module's own."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def small_views(small, own_cache):
+    return all_views(small)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
+@given(which=st.floats(0, 1, exclude_max=True), where=st.floats(0, 1, exclude_max=True),
+       bit=st.one_of(st.integers(0, 7), st.none()), value=st.integers(0, 255))
+def test_a_changed_byte_never_silently_changes_a_view(small, small_views, tmp_path_factory, which, where, bit, value):
+    """After any single changed byte or bit of any file, every view — through connect() and through
+    `cli.py sql` — gives the clean warehouse's answer or one error line: never another answer."""
+    names = sorted(p.relative_to(small) for p in small.rglob("*") if p.is_file())
+    rel = names[int(which * len(names))]
+    wh = copy(small, tmp_path_factory.mktemp("rep-views") / "wh")
+    data = bytearray((wh / rel).read_bytes())
+    i = int(where * len(data))
+    data[i] = data[i] ^ (1 << bit) if bit is not None else (value if value != data[i] else (value + 1) % 256)
+    (wh / rel).write_bytes(bytes(data))
+    try:
+        got = all_views(wh)
+    except UserError as e:
+        assert "\n" not in str(e), e
+        code, _, err = run_cli("sql", "SELECT * FROM inter_sim", "--warehouse", wh)
+        one_line_error(code, err)
+        return
+    for v, rows in got.items():
+        assert rows == small_views[v], f"{rel}: byte {i} changed, view {v} answers differently"
+
+
+def test_connect_hashes_each_file_version_once(small, own_cache, tmp_path, monkeypatch):
+    """A warm cache costs stat() calls only; a file whose bytes change is hashed again and refused."""
+    from warehouse import query, storage
+    from warehouse.query import connect
+
+    calls = []
+    real = storage.checksum
+    monkeypatch.setattr(storage, "checksum", lambda st_, rel: calls.append(rel) or real(st_, rel))
+    wh = copy(small, tmp_path / "wh")
+    listed = {rel for e in store.read_manifest(wh)["entries"].values() for rel in e["files"].values()}
+    connect(wh).close()
+    assert set(calls) == listed and len(calls) == len(listed)  # cold: each listed file once
+    calls.clear()
+    connect(wh).close()
+    assert calls == []  # warm: nothing hashed
+    target = merged_file(wh, "token_stats")
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 4  # a data page: Parquet itself may not notice
+    target.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="token_stats.*differs.*validate --fix"):
+        connect(wh)
+    assert calls == [str(target.relative_to(wh))]
+    code, _, err = run_cli("sql", "SELECT 1", "--warehouse", wh)
+    one_line_error(code, err, "token_stats", "content differs", "python cli.py validate --fix")
+    assert query.verify_listed(small, store.read_manifest(small)) == 0  # the clean copy: still warm
+
+
+def test_a_commit_puts_its_own_files_in_the_verified_cache(own_cache, tmp_path, monkeypatch):
+    """The committer hashed its files while writing them: its commit remembers them (size, times,
+    inode as right after the rename), so the first query hashes only what another process wrote —
+    and a file changed between its write and the commit is not remembered."""
+    from bench_query import write_partial
+    from warehouse import storage
+    from warehouse.query import connect
+
+    root = tmp_path / "wh"
+    rng = np.random.default_rng(7)
+    merge.commit(root, [write_partial(root, "m", "c", "s0", "1-of-1", 3, 40, 8, rng, chunk=17)])
+    entry = write_partial(root, "m", "c", "s1", "1-of-1", 3, 40, 8, rng, chunk=17)
+    changed = root / entry["files"]["token_sums"]
+    os.utime(changed, ns=(1, 1))  # touched after its write: its times no longer match the ones at write
+    merge.commit(root, [entry])
+    calls = []
+    real = storage.checksum
+    monkeypatch.setattr(storage, "checksum", lambda st_, rel: calls.append(rel) or real(st_, rel))
+    connect(root).close()
+    assert calls == [entry["files"]["token_sums"]]  # only the file touched after its write
+    calls.clear()
+    connect(root).close()
+    assert calls == []
+
+
+def test_connect_verifies_every_time_without_a_writable_cache(small, tmp_path, monkeypatch):
+    from warehouse import storage
+    from warehouse.query import connect
+
+    ro = tmp_path / "ro-cache"
+    ro.mkdir()
+    (ro / "isotropy-warehouse").write_text("a file, not a directory")  # unwritable even for root
+    ro.chmod(0o500)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(ro))
+    calls = []
+    real = storage.checksum
+    monkeypatch.setattr(storage, "checksum", lambda st_, rel: calls.append(rel) or real(st_, rel))
+    wh = copy(small, tmp_path / "wh")
+    try:
+        assert all_views(wh) == all_views(small)
+        calls.clear()
+        connect(wh).close()
+        n = len(calls)
+        assert n > 0
+        connect(wh).close()
+        assert len(calls) == 2 * n  # hashed again: nothing could be remembered
+        target = merged_file(wh, "layer_totals")
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 1
+        target.write_bytes(bytes(data))
+        with pytest.raises(UserError, match="layer_totals"):
+            connect(wh)
+    finally:
+        ro.chmod(0o700)
+
+
 def test_a_changed_first_byte_of_every_file_is_reported(small, tmp_path):
     """The bytes a reader may never look at (a Parquet file's leading magic) count too."""
     for rel in sorted(p.relative_to(small) for p in small.rglob("*") if p.is_file()):

@@ -36,12 +36,15 @@ def first_bound(wh) -> str:
     return query._files("token_sums", [e for e in manifest["entries"].values() if "token_sums" in e["files"]])[0]
 
 
-def test_views_bind_by_one_file_and_read_every_dtype_exactly(tmp_path):
+def test_views_bind_by_one_file_and_read_every_dtype_exactly(tmp_path, monkeypatch):
     """Views are created from one footer: every other partial's token_sums file broken (not a
     Parquet file any more) still lets `connect`, SELECT 1 and the views over merged tables work —
     with union_by_name the views' creation read every footer (and failed here).  Before breaking
     them: token_sums returns every partial's stored vectors exactly, float16/float32/float64 mixed,
-    whichever file sorts first."""
+    whichever file sorts first.  connect() itself now refuses the broken files (it verifies every
+    listed file's checksum), so the binding is checked with that verification switched off."""
+    from isotropy_warehouse.errors import UserError
+    from warehouse import query
     from warehouse.query import connect
 
     wh = tmp_path / "wh"
@@ -60,6 +63,9 @@ def test_views_bind_by_one_file_and_read_every_dtype_exactly(tmp_path):
     for e in entries:
         if e["files"]["token_sums"] != keep:
             (wh / e["files"]["token_sums"]).write_bytes(b"not parquet")
+    with pytest.raises(UserError, match="token_sums.*its commit record says"):
+        connect(wh)  # connect() verifies every listed file (warehouse/query.py verify_listed) ...
+    monkeypatch.setattr(query, "verify_listed", lambda root, manifest: 0)  # ... here: the binding alone
     con = connect(wh)
     assert con.execute("SELECT 1").fetchone() == (1,)
     assert con.execute("SELECT * FROM avg_intra_sim ORDER BY ALL").fetchall() == before  # merged tables only

@@ -16,6 +16,8 @@ and whose body is one SELECT; it becomes `CREATE VIEW <name> AS <body>`.
 from __future__ import annotations
 
 import importlib.resources
+import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ import pyarrow.dataset as ds
 from isotropy_warehouse.errors import UserError
 
 from . import merge, schema, store
+from . import storage
 from .storage import open_storage
 
 
@@ -248,6 +251,7 @@ def connect(root="warehouse") -> "ReadOnlyConnection":
     if stale or extra:  # only a hand-edited manifest or a warehouse restored in parts gets here
         raise UserError(f"{root}: merged tables do not match the partials for {len(stale) + len(extra)} group(s); "
                         "run `python cli.py validate --warehouse ... --fix`")
+    verify_listed(root, manifest)
     con = duckdb.connect()
     try:
         for stmt in all_view_sql(root, manifest, con):
@@ -257,6 +261,56 @@ def connect(root="warehouse") -> "ReadOnlyConnection":
         raise UserError(duckdb_error_line(e)) from None
     read_only(con, _listed_paths(root, manifest))
     return ReadOnlyConnection(con)
+
+
+# ---------------------------------------------------------------- verified before the views read it
+
+def verify_listed(root, manifest: dict) -> int:
+    """Verify every local file the views read — each file the manifest lists that has a recorded
+    checksum — against its commit record (size and blake2b), but each file version only once: a
+    verified file is remembered in `cache_dir()/verified-files.json` by absolute path, size, mtime_ns,
+    ctime_ns, inode and recorded hash, so a later connect only stat()s it, and after a commit hashes
+    only the new files.  A file whose bytes changed is re-hashed; if they differ from the record,
+    one UserError line names it and how to repair it (merge.repair_hint).  A cache that cannot be
+    read or written means hashing every time: slower, never wrong.  Files of records written before
+    checksums existed are skipped.  A warehouse on S3 is not verified here (a listing for sizes and
+    times would cost every start-up): `validate` and the store's own integrity checks cover it.
+    Returns the number of files hashed."""
+    st = open_storage(root)
+    if not st.local:
+        return 0
+    cache_file = store.cache_dir() / store.VERIFIED_CACHE
+    cache = store.read_verified_cache(cache_file)
+    hashed, current = 0, {}
+    for e in manifest["entries"].values():
+        sums = e.get("checksums") or {}
+        for rel in e["files"].values():
+            want = sums.get(rel)
+            if not want:
+                continue
+            path = os.path.abspath(st.path(rel))
+            key = store.file_key(path, want)
+            if key is None or cache.get(path) != key:
+                try:
+                    storage.verify(st, rel, want, merge.repair_hint(e))
+                except storage.MissingFile:
+                    raise UserError(f"{st.display(rel)}: listed in the manifest but missing; "
+                                    f"{merge.repair_hint(e)}") from None
+                hashed += 1
+                if store.file_key(path, want) != key:  # changed while it was hashed: hashed again next time
+                    continue
+            current[path] = key
+    if hashed:
+        prefix = os.path.join(os.path.abspath(st.path("")), "")
+        kept = {p: k for p, k in cache.items() if not p.startswith(prefix)}  # other warehouses' files
+        if len(kept) > store.CACHE_ENTRIES:  # bounded: deleted warehouses' entries would pile up forever
+            kept = {}
+        kept.update(current)  # this warehouse: the files it lists now (replaced ones drop out)
+        try:
+            store.atomic_write_bytes(cache_file.parent, cache_file.name, json.dumps(kept).encode())
+        except (OSError, UserError):
+            pass
+    return hashed
 
 
 def duckdb_error_line(e: Exception) -> str:

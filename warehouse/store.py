@@ -43,6 +43,7 @@ import secrets
 import socket
 import threading
 import time
+from pathlib import Path
 from urllib.parse import quote
 
 import numpy as np
@@ -53,7 +54,7 @@ from isotropy_warehouse import faults
 from isotropy_warehouse.errors import UserError
 
 from . import schema
-from .storage import HashingStream, Storage, checksum, open_storage
+from .storage import HASH, HashingStream, Storage, checksum, open_storage
 
 MANIFEST = "manifest.json"  # a copy of the current state (companion); the commit log is authoritative
 LOG_DIR = "_log"
@@ -68,6 +69,7 @@ _RUN_ID = re.compile(r"\d{8}T\d{6}-[0-9a-f]{8}")
 _HOST = socket.gethostname()
 _WRITER = {"host": _HOST, "pid": os.getpid()}
 _WRITTEN: dict[str, dict] = {}  # storage path of a file this process wrote → its checksum
+_WRITTEN_KEY: dict[str, list] = {}  # … → its file_key right after the rename (local files)
 
 
 def new_run_id() -> str:
@@ -122,6 +124,10 @@ class TableWriter:
         faults.hit("close")
         self._out.commit()
         _WRITTEN[self.storage.path(self.rel)] = self._hash.checksum()
+        if self.storage.local:
+            key = file_key(os.path.abspath(self.storage.path(self.rel)), _WRITTEN[self.storage.path(self.rel)])
+            if key is not None:
+                _WRITTEN_KEY[self.storage.path(self.rel)] = key
         return self.rel
 
     def abort(self) -> None:
@@ -324,6 +330,61 @@ def check_compatible(manifest: dict, model: str, hidden_size: int) -> None:
             )
 
 
+VERIFIED_CACHE = "verified-files.json"
+CACHE_ENTRIES = 200_000  # ~25 MB of JSON; beyond it the other warehouses' entries are forgotten
+
+
+def cache_dir() -> Path:
+    """The user's cache directory of this tool (the report's Vega bundle is kept there too)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "isotropy-warehouse"
+
+
+def file_key(path: str, want: dict) -> list | None:
+    """What identifies one version of a local file (absolute path → [size, mtime_ns, ctime_ns, inode,
+    recorded blake2b]); None when it cannot be stat'ed (verify() then names it as missing).  Writing
+    the file's bytes changes its mtime and ctime; ctime cannot be set back by hand (`touch -d`)."""
+    try:
+        s = os.stat(path)
+    except OSError:
+        return None
+    return [s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, want[HASH]]
+
+
+def read_verified_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_bytes())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def remember_written(st: Storage, entries: list[dict]) -> None:
+    """After a commit: this process's own files (hashed while written, unchanged since: the same
+    size, times and inode as right after their rename) go into the verified-files cache, so the
+    first query after a large extract does not read them again.  Best effort: a cache that cannot
+    be written only means that query hashes them."""
+    if not st.local:
+        return
+    new = {}
+    for e in entries:
+        for rel in e["files"].values():
+            path = os.path.abspath(st.path(rel))
+            want, at_write = _WRITTEN.get(st.path(rel)), _WRITTEN_KEY.get(st.path(rel))
+            if want and at_write and file_key(path, want) == at_write:
+                new[path] = at_write
+    if not new:
+        return
+    cache_file = cache_dir() / VERIFIED_CACHE
+    cache = read_verified_cache(cache_file)
+    if len(cache) > CACHE_ENTRIES:
+        cache = {}
+    cache.update(new)
+    try:
+        atomic_write_bytes(cache_file.parent, cache_file.name, json.dumps(cache).encode())
+    except (OSError, UserError):
+        pass
+
+
 def publish(root, base_seq: int, manifest: dict, entries: list[dict], remove: list[str] = ()
             ) -> list[str] | None:
     """Commit `entries` (added or replacing entries of the same key) and drop `remove`, on top of
@@ -356,6 +417,7 @@ def publish(root, base_seq: int, manifest: dict, entries: list[dict], remove: li
     write_companions(st, manifest)
     stale = sorted(old_files - live)
     release_leases(st, {run_of(f) for e in entries for f in e["files"].values()})  # the record lists them now
+    remember_written(st, entries)  # the first query after this commit need not hash what was just written
     faults.hit("gc")
     for rel in stale:
         st.delete(rel)
