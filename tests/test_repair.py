@@ -26,7 +26,6 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import ROOT, run_cli
 from isotropy_warehouse.errors import UserError
 from test_reliability import extract_args, run_subprocess, snapshot
-from test_s3 import s3, s3env  # noqa: F401  (moto on loopback)
 from warehouse import merge, store
 from warehouse.validate import validate
 
@@ -518,48 +517,3 @@ def test_a_changed_first_byte_of_every_file_is_reported(small, tmp_path):
 
 
 # ---------------------------------------------------------------- S3
-
-
-def test_s3_lease_checksums_and_quarantine(s3env, tmp_path):
-    from bench_query import write_partial
-    from test_s3 import BUCKET, keys
-
-    url = f"s3://{BUCKET}/repair"
-    rng = np.random.default_rng(3)
-    for shard in ("1-of-2", "2-of-2"):
-        merge.commit(url, [write_partial(url, "m", "c", "s0", shard, 3, 40, 8, rng, chunk=17)])
-    ks = keys(s3env, "repair")
-    assert not [k for k in ks if "/_inflight/" in k]  # leases of committed runs removed
-    assert validate(url) == []
-    # an orphan of a dead writer: its lease names a pid that is gone
-    client = s3env["client"]
-    orphan = "repair/tables/token_sums/model=m/checkpoint=c/source=s0/shard=3-of-3/20260101T000000-deadbeef.parquet"
-    client.put_object(Bucket=BUCKET, Key=orphan, Body=b"orphan")
-    client.put_object(Bucket=BUCKET, Key="repair/_inflight/20260101T000000-deadbeef.json",
-                      Body=json.dumps({"run_id": "20260101T000000-deadbeef", "host": store._HOST, "pid": 2 ** 22 + 7,
-                                       "heartbeat": time.time()}).encode())
-    # a live lease (this process) protects its run's orphan
-    live = "repair/tables/token_sums/model=m/checkpoint=c/source=s0/shard=4-of-4/20260101T000000-0badcafe.parquet"
-    client.put_object(Bucket=BUCKET, Key=live, Body=b"in flight")
-    client.put_object(Bucket=BUCKET, Key="repair/_inflight/20260101T000000-0badcafe.json",
-                      Body=json.dumps({"run_id": "20260101T000000-0badcafe", "host": store._HOST, "pid": os.getpid(),
-                                       "heartbeat": time.time()}).encode())
-    env = {**os.environ, **s3env["env"], "ISO_FAULT": "move:1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "cli.py"), "validate", "--warehouse", url, "--fix", "--grace", "0"],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert proc.returncode == -9, proc.stderr[-2000:]  # copied into the quarantine, original not yet deleted
-    ks = keys(s3env, "repair")
-    assert orphan in ks and any(k.endswith(orphan.split("repair/", 1)[1]) and "/_quarantine/" in k for k in ks)
-    assert validate(url, fix=True, grace_s=0) == []
-    ks = keys(s3env, "repair")
-    assert orphan not in ks and live in ks
-    assert any("/_quarantine/" in k and k.endswith("20260101T000000-deadbeef.parquet") for k in ks)
-    # a changed object is reported, and a merged one rebuilt by --fix
-    m = store.read_manifest(url)
-    rel = next(e["files"]["token_stats"] for e in m["entries"].values() if e["kind"] == "merged")
-    body = client.get_object(Bucket=BUCKET, Key=f"repair/{rel}")["Body"].read()
-    client.put_object(Bucket=BUCKET, Key=f"repair/{rel}", Body=body[:-9] + bytes([body[-9] ^ 1]) + body[-8:])
-    assert any(rel in p for p in validate(url))
-    assert validate(url, fix=True, grace_s=0) == []
-    client.delete_object(Bucket=BUCKET, Key=live)
-    client.delete_object(Bucket=BUCKET, Key="repair/_inflight/20260101T000000-0badcafe.json")
