@@ -290,10 +290,17 @@ def test_read_only_keys_can_query_but_not_write(s3, s3_wh, single, monkeypatch):
         {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket", "s3:HeadBucket"],
                                                  "Resource": "*"}]}))
     s3["client"].delete_object(Bucket=BUCKET, Key="same/views.sql")  # companions behind the log
+    for k, v in s3["env"].items():
+        monkeypatch.setenv(k, v)
+    storage._OPEN.clear()
+    writer = storage.open_storage(f"s3://{BUCKET}/keys-writer")
+    assert writer.create_if_absent("marker", b"x")  # boto3 (the conditional PUT) used with the full keys first
     for k, v in {**s3["env"], "AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}.items():
         monkeypatch.setenv(k, v)
     storage._OPEN.clear()
     try:
+        with pytest.raises(UserError, match="access denied"):  # each storage's own keys, not the first ones boto3 saw
+            storage.open_storage(f"s3://{BUCKET}/keys-reader").create_if_absent("marker", b"x")
         got = views(s3_wh)
         assert got["inter_sim"] and got["shards"] == single["views"]["shards"]
         code, _, err = run_cli("extract", *single["args"], "--warehouse", f"s3://{BUCKET}/readonly")

@@ -283,8 +283,11 @@ class S3Storage(Storage):
         if self.endpoint:
             kwargs["endpoint_override"] = self.endpoint
         key, secret = _env("AWS_ACCESS_KEY_ID"), _env("AWS_SECRET_ACCESS_KEY")
+        self._keys = {}  # the same credentials for boto3 (its default session would keep the first ones it saw)
         if key and secret:
             kwargs.update(access_key=key, secret_key=secret, session_token=_env("AWS_SESSION_TOKEN"))
+            self._keys = {"aws_access_key_id": key, "aws_secret_access_key": secret,
+                          "aws_session_token": _env("AWS_SESSION_TOKEN")}
         try:
             self.fs = pafs.S3FileSystem(**kwargs)
         except (OSError, ValueError, pa.ArrowException) as e:
@@ -325,7 +328,7 @@ class S3Storage(Storage):
             import boto3
             from botocore.config import Config
 
-            self._client = boto3.client(
+            self._client = boto3.session.Session(**self._keys).client(  # a session of its own, not boto3's default
                 "s3", endpoint_url=self.endpoint, region_name=self.region,
                 config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=60))
         return self._client
