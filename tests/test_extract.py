@@ -17,6 +17,7 @@ import torch
 import reference as ref
 import tiny
 from conftest import run_cli
+from test_gpu_path import _assert_same
 from extract import accumulate
 from extract.accumulate import Moments, TokenSums
 from isotropy_warehouse.errors import UserError
@@ -555,13 +556,7 @@ def test_compiled_gpu_step_equals_the_eager_path():
             (ce, se), (cf, sf) = eager.dense(layer), other.dense(layer)
             assert torch.equal(ce, cf) and torch.equal(se, sf)
     for other in (fused, *segment, chunked, general):  # the compiled step; sort-and-segment sums, on the device and folded
-        for layer in range(2):
-            (ce, se), (cf, sf) = eager.dense(layer), other.dense(layer)
-            assert torch.equal(ce, cf) and torch.allclose(se, sf, rtol=1e-13, atol=1e-13)
-        for name in ("nonfinite", "zero", "windows"):
-            assert torch.equal(getattr(eager, name), getattr(other, name)), name
-        for name in ("sum_h", "sum_u2", "window_cos"):
-            assert torch.allclose(getattr(eager, name), getattr(other, name), rtol=1e-12, atol=1e-12), name
+        _assert_same(eager, other, 2)
     assert eager.nonfinite.tolist() == [2, 2] and eager.zero.tolist() == [2, 2]
     for other in (chunked, general):
         assert torch.equal(eager.sum_h, other.sum_h) and torch.equal(eager.window_cos, other.window_cos)
