@@ -17,7 +17,8 @@ import pytest
 
 from isotropy_warehouse.errors import UserError
 from conftest import ROOT, run_cli
-from warehouse import merge, store
+from warehouse import commits, fold_tokens, merge, store
+from warehouse import fold as fold_module
 from warehouse.query import connect
 from warehouse.validate import validate
 
@@ -108,7 +109,7 @@ def check_against(root: Path, want: dict) -> None:
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(merge, "CHUNK_BYTES", 64 * 8 * D)  # 64 token ids per chunk: several per layer
+    monkeypatch.setattr(fold_tokens, "CHUNK_BYTES", 64 * 8 * D)  # 64 token ids per chunk: several per layer
 
 
 @pytest.mark.parametrize("layout", [(1, 1), (1, 2), (4, 2)])
@@ -175,22 +176,23 @@ def test_a_lone_partials_rows_give_the_same_tables_as_folding_them(tmp_path, sma
             [(c, "ascending") for c in ("layer", "token_id", "bucket") if c in st.read_table(f).column_names])
             for t, f in out["files"].items()}
 
-    fold, token_folds = merge._fold, []
+    fold, token_folds = fold_tokens._fold, []
 
     def spy(S, *a):  # the layer totals fold one row; a chunk of token rows many
         token_folds.append(len(S) > 1)
         return fold(S, *a)
 
-    monkeypatch.setattr(merge, "_fold", spy)
+    monkeypatch.setattr(fold_tokens, "_fold", spy)
+    monkeypatch.setattr(fold_module, "_fold", spy)
     fast = tables(tmp_path / "fast")
     assert token_folds and not any(token_folds)
-    general = merge._merge_chunk
+    general = fold_tokens._merge_chunk
 
     def folded(o_stats, o_vecs, r_parts, a_parts, d, old):
         empty = next(t for t in a_parts if t is not None).slice(0, 0)
         return general(o_stats, o_vecs, [*r_parts, empty], a_parts, d, old)
 
-    monkeypatch.setattr(merge, "_merge_chunk", folded)
+    monkeypatch.setattr(fold_tokens, "_merge_chunk", folded)
     slow = tables(tmp_path / "slow")
     assert any(token_folds)
     assert set(fast) == set(slow) >= {"token_stats", "frequency_buckets", "layer_metrics"}
@@ -362,7 +364,20 @@ LAYERS = {  # module → the project modules it may import
     "warehouse.schema": {"isotropy_warehouse"},
     "warehouse.measures": set(),
     "warehouse.store": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema"},
-    "warehouse.merge": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.measures"},
+    # merging, by role: groups ← fold_tokens ← fold; coverage; commits ← checks, compaction; merge (their face)
+    "warehouse.groups": {"isotropy_warehouse", "warehouse.storage", "warehouse.store"},
+    "warehouse.coverage": {"isotropy_warehouse"},
+    "warehouse.fold_tokens": {"isotropy_warehouse", "warehouse.storage", "warehouse.store", "warehouse.groups"},
+    "warehouse.fold": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store",
+                       "warehouse.measures", "warehouse.groups", "warehouse.fold_tokens"},
+    "warehouse.commits": {"isotropy_warehouse", "warehouse.storage", "warehouse.store", "warehouse.groups",
+                          "warehouse.coverage", "warehouse.fold"},
+    "warehouse.checks": {"isotropy_warehouse", "warehouse.storage", "warehouse.groups", "warehouse.fold",
+                         "warehouse.commits"},
+    "warehouse.compaction": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store",
+                             "warehouse.groups", "warehouse.commits"},
+    "warehouse.merge": {"warehouse.storage", "warehouse.groups", "warehouse.fold", "warehouse.coverage",
+                        "warehouse.commits", "warehouse.checks", "warehouse.compaction"},
     "warehouse.query": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge"},
     "warehouse.validate": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge",
                            "warehouse.query"},
@@ -434,7 +449,7 @@ def test_a_lost_race_refolds_or_rebases(tmp_path, monkeypatch, same_pair):
     a = _partial(root, rng, "s0", "2-of-2")
     b = _partial(root, rng, "s1", "1-of-1", checkpoint="c" if same_pair else "c2")
     real_publish, folds, raced = store.publish, [], []
-    real_fold = merge.fold
+    real_fold = commits.fold_groups
 
     def publish(root_, seq, manifest, entries, remove=()):
         if not raced:
@@ -442,7 +457,7 @@ def test_a_lost_race_refolds_or_rebases(tmp_path, monkeypatch, same_pair):
             merge.commit(root_, [b])  # B wins the next record
         return real_publish(root_, seq, manifest, entries, remove)
 
-    monkeypatch.setattr(merge, "fold", lambda *x: folds.append(1) or real_fold(*x))
+    monkeypatch.setattr(commits, "fold_groups", lambda *x: folds.append(1) or real_fold(*x))
     monkeypatch.setattr(store, "publish", publish)
     merge.commit(root, [a])
     assert len(folds) == (3 if same_pair else 2)  # A, B, (A again)
@@ -479,14 +494,33 @@ def test_concurrent_commits_without_a_lock(tmp_path):
 
 
 def test_views_refuse_a_manifest_whose_merged_tables_are_stale(tmp_path):
+    """A merged entry that holds a partial the manifest no longer lists (a hand-edited manifest, a
+    warehouse restored in parts) is stale: views refuse it, validate --fix re-merges."""
     root = tmp_path / "wh"
     entries = _two_shards(root, 13)
     seq, manifest = store.read_state(root)
-    assert store.publish(root, seq, manifest, [], remove=[merge.group_key("m", "c", "all")]) is not None
+    assert store.publish(root, seq, manifest, [], remove=[entries[0]["key"]]) is not None
     with pytest.raises(UserError, match="merged tables do not match"):
         connect(root)
     assert any("out of date" in p for p in validate(root))
     assert validate(root, fix=True) == []
+    check_against(root, oracle(root, entries[1:]))
+
+
+def test_a_lost_merged_entry_is_pending_not_stale(tmp_path):
+    """A group with no merged entry holds none of its partials: pending, not stale; views answer for
+    the other groups, validate is clean, `fold_pending` rebuilds it exactly."""
+    root = tmp_path / "wh"
+    entries = _two_shards(root, 13)
+    seq, manifest = store.read_state(root)
+    assert store.publish(root, seq, manifest, [], remove=[merge.group_key("m", "c", "all")]) is not None
+    manifest = store.read_manifest(root)
+    assert sorted(merge.pending(manifest)) == [merge.group_key("m", "c", "all")]
+    con = connect(root)
+    assert con.execute("SELECT DISTINCT source FROM token_stats").fetchall() == [("s0",)]
+    con.close()
+    assert validate(root) == []
+    assert merge.fold_pending(root) == 2
     check_against(root, oracle(root, entries))
 
 
