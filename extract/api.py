@@ -46,7 +46,7 @@ SETTING_DEFAULTS = {
     "accumulator_device": None, "moments": True, "cross_moments": False, "moments_precision": None,
     "scatter": "atomic", "sequences": None, "prompt_entropy": False, "sample": 0, "skip_done": False,
     "trust_remote_code": False, "special_tokens": False, "memory_budget": None, "spill_dir": None,
-    "module": None, "split_limit": 64, "compact": False, "replace": False,
+    "module": None, "split_limit": 64, "compact": False, "replace": False, "fold": True,
     # source options
     "pile_set": None, "split_by": None, "split": "train", "steps": None, "rows_per_step": 1024,
     "seq_length": 2049, "text_column": "text", "encoding_errors": "strict",

@@ -108,7 +108,7 @@ def make_settings(o: dict, launch: Launch, cuda_available: bool):
                     prompt_entropy=o["prompt_entropy"], sample=o["sample"], special_tokens=o["special_tokens"],
                     memory_budget=budget, spill_dir=str(o["spill_dir"]) if o["spill_dir"] else None,
                     modules=parse_module_overrides(o["module"]), split_limit=o["split_limit"],
-                    replace=bool(o.get("replace")))
+                    replace=bool(o.get("replace")), fold=bool(o.get("fold", True)))
 
 
 def prepare(o: dict, launch: Launch | None = None) -> Job:

@@ -71,6 +71,7 @@ class Settings:
     split_limit: int = 64  # a split source: at most this many distinct values (each holds its own sums)
     read_shard: tuple[int, int] | None = None  # the documents read, where not `shard` (a rank of a reducing torchrun job)
     replace: bool = False  # drop committed partials this run conflicts with (merge.replacements) instead of refusing
+    fold: bool = True  # fold the partials into the merged tables in the commit (False: append them, pending)
 
 
 # Settings that change a run's numbers: a finished run with the same ones can be kept (--skip-done).
@@ -992,7 +993,7 @@ def _extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
                 done_here += len(parts)
             t = time.perf_counter()
             if entries:  # nothing when the parameter tables were kept and no source was left
-                merge.commit(root, entries, replace=settings.replace)  # partials + merged tables, one record
+                merge.commit(root, entries, replace=settings.replace, fold=settings.fold)  # one record
             spent["commit"] = time.perf_counter() - t
         except BaseException as exc:
             kept = merge.committed_files(root, entries)

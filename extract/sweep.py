@@ -33,6 +33,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -47,7 +48,8 @@ else:  # pragma: no cover - Python 3.10
 # Keys of [settings] that the sweep's own structure gives.
 RESERVED = {"model": "models", "checkpoint": "checkpoints", "checkpoints": "checkpoints", "source": "[sources]",
             "warehouse": "warehouse", "shard": "shards", "skip_done": "the sweep (always on)",
-            "compact": "the sweep (each finished checkpoint; `cli.py sweep --no-compact` keeps them open)"}
+            "compact": "the sweep (each finished checkpoint; `cli.py sweep --no-compact` keeps them open)",
+            "fold": "the sweep (its units append their partials; each finished checkpoint is folded once)"}
 TOP_KEYS = ("warehouse", "models", "checkpoints", "shards", "sources", "settings", "slurm")
 SLURM_KEYS = ("sbatch", "parallel", "python", "setup", "job_name")
 
@@ -365,7 +367,9 @@ def for_task(plan: list[Unit], task: int) -> Unit:
 
 
 def shard_settings(settings, shard: tuple[int, int]):
-    return replace(settings, shard=shard)
+    """A unit's settings: its shard, and its partials appended (pending) rather than folded — a
+    checkpoint's groups are folded once, when all its units are in (`finish_checkpoints`)."""
+    return replace(settings, shard=shard, fold=False)
 
 
 @dataclass
@@ -458,9 +462,10 @@ def by_checkpoint(plan: list[Unit]) -> dict[tuple[str, str], dict[tuple[int, int
     return out
 
 
-def compact_finished(p: Planned, log=print) -> int:
-    """Compact every (model, checkpoint) of the plan whose units are all done and that holds data and
-    is not compacted yet (`cli.py compact --model M --checkpoint C`); returns how many."""
+def finish_checkpoints(p: Planned, log=print, compact: bool = True) -> int:
+    """Every (model, checkpoint) of the plan whose units are all done and that holds data: its pending
+    partials folded, in one pass per group (`cli.py merge`), and with `compact` the checkpoint
+    compacted unless it is already (`cli.py compact`); returns how many checkpoints were touched."""
     from warehouse import merge, store
     from warehouse.query import refresh_companions
     from warehouse.storage import open_storage
@@ -471,13 +476,21 @@ def compact_finished(p: Planned, log=print) -> int:
     for u in p.units:
         key = (p.refs[u.model].name, u.checkpoint)
         finished[key] = finished.get(key, True) and p.done[u.index] and u.source is not None
+    pending = set(merge.pending_pairs(manifest))
     count = 0
     for (model, checkpoint), complete in finished.items():
         has_data = any(e["kind"] == "data" and e["model"] == model and e["checkpoint"] == checkpoint
                        for e in manifest["entries"].values())
-        if complete and has_data and not merge.is_compacted(manifest, model, checkpoint):
+        if not (complete and has_data):
+            continue
+        if (model, checkpoint) in pending:
+            t = time.perf_counter()
+            n = merge.fold_pending(st, model, checkpoint)
+            log(f"{model}@{checkpoint}: every unit in; folded {n} partial(s) in {time.perf_counter() - t:.1f} s")
+            count += 1
+        if compact and not merge.is_compacted(manifest, model, checkpoint):
             res = merge.compact(st, model, checkpoint)
-            log(f"{model}@{checkpoint}: every unit in; compacted (token-level bytes {res['before']['bytes']} -> "
+            log(f"{model}@{checkpoint}: compacted (token-level bytes {res['before']['bytes']} -> "
                 f"{res['after']['bytes']})")
             count += 1
     if count:
@@ -488,10 +501,12 @@ def compact_finished(p: Planned, log=print) -> int:
 def run(p: Planned, log=print, task: int | None = None, expect_id: str | None = None, compact: bool = True):
     """Run the units still to run (all of them, or unit `task` of a Slurm array); returns the results.
     In this process (not `task`) the units run checkpoint by checkpoint (each shard's run of a checkpoint
-    loads it once for all its sources) and, with `compact`, each checkpoint is compacted as soon as all
-    its units are in — the sweep's disk then holds one checkpoint's partials plus the compacted history.
-    A Slurm task does not compact (it cannot know cheaply that the other tasks of its checkpoint are
-    done): after the array, `cli.py sweep FILE` (nothing left to run) compacts the finished checkpoints."""
+    loads it once for all its sources).  Units append their partials without folding; each checkpoint
+    is folded once, as soon as all its units are in (one pass per group), and with `compact` then
+    compacted — the sweep's disk then holds one checkpoint's partials plus the compacted history.  A
+    Slurm task neither folds nor compacts (it cannot know cheaply that the other tasks of its checkpoint
+    are done): after the array, `cli.py sweep FILE` (nothing left to run) folds and compacts the
+    finished checkpoints."""
     from extract.run import extract as run_extract
 
     if expect_id is not None and expect_id != p.id:
@@ -507,16 +522,14 @@ def run(p: Planned, log=print, task: int | None = None, expect_id: str | None = 
     if not p.done:
         p.mark_done()
     pending = [p.units[i] for i in p.todo()]
-    if compact:
-        compact_finished(p, log)  # checkpoints finished by an earlier run (or a Slurm array)
+    finish_checkpoints(p, log, compact)  # checkpoints finished by an earlier run (or a Slurm array)
     for (model, checkpoint), shards in by_checkpoint(pending).items():
         for shard, names in shards.items():
             srcs = [p.sources[n] for n in names if n is not None]
             results += run_extract(p.refs[model], [checkpoint], srcs, p.warehouse, shard_settings(p.settings, shard),
                                    log=log, prints=p.prints)
-        if compact:
-            for u in p.units:
-                if u.model == model and u.checkpoint == checkpoint:
-                    p.done[u.index] = True
-            compact_finished(p, log)
+        for u in p.units:
+            if u.model == model and u.checkpoint == checkpoint:
+                p.done[u.index] = True
+        finish_checkpoints(p, log, compact)
     return results

@@ -31,6 +31,25 @@ def _launcher() -> tuple[str, ...]:
     return (str(script),) if script.is_file() else ("-m", "isotropy_warehouse")
 
 
+class _Notes:
+    """Warnings the warehouse raises while a command reads it (partials pending a fold), each printed
+    once as a one-line `note:` on stderr, not as a Python warning."""
+
+    def __enter__(self):
+        import warnings
+
+        self._cm = warnings.catch_warnings(record=True)
+        self._seen = self._cm.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._cm.__exit__(*exc)
+        for line in dict.fromkeys(str(w.message) for w in self._seen):
+            typer.echo(f"note: {line}", err=True)
+        return False
+
+
 def fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
@@ -78,6 +97,7 @@ def extract(
     name: Optional[str] = typer.Option(None, "--name", help="The model's name in the warehouse (default: the directory's name, the hub id or the alias). Two different weights under one name are refused: name one of them."),
     replace: bool = typer.Option(False, "--replace", help="Drop committed partials this run conflicts with instead of refusing: shards of its sources that overlap its shard without being covered by it (a new sharding), shards of another version of a source file, and whatever holds other weights under this model name and checkpoint (docs/extract.md, 'Shards and identity')."),
     module: Optional[List[str]] = typer.Option(None, "--module", help="ROLE=PATH: name a module where discovery is wrong (roles: embedding, blocks, final_norm, unembedding; PATH 'none' for none), e.g. --module final_norm=model.norm. Repeatable."),
+    fold: bool = typer.Option(True, "--fold/--no-fold", help="Fold this run's partials into the merged tables the views read, in its commit (with every partial of the checkpoint still pending, in one pass). --no-fold only appends them: the commit then costs the partials' bytes, not the checkpoint's merged state (Slurm arrays, one job per shard); they are pending, not in the views, until `cli.py merge` (or `cli.py sweep`, `compact`) folds them."),
     compact: bool = typer.Option(False, "--compact", help="Compact each checkpoint right after its commit (as `cli.py compact`: the disk keeps the views' tables only; the checkpoint then takes no new partial, so give it only to the run that completes a checkpoint)."),
 ):
     """Run a model over text sources and store mergeable sums.
@@ -244,7 +264,8 @@ def sql(
         fail(f"--format {format!r}: expected table, csv or json")
     try:
         check_read_only(query)  # a query cannot write, attach, install or load (the connection is locked too)
-        con = connect(warehouse)
+        with _Notes():
+            con = connect(warehouse)
         cur = con.execute(query)
         if cur.description is None:
             return
@@ -298,6 +319,32 @@ def validate(
         typer.echo(f"{len(problems)} problem(s) in {warehouse}", err=True)
         raise typer.Exit(1)
     typer.echo(f"{warehouse}: ok", err=True)
+
+
+@app.command("merge")
+def merge_pending(
+    warehouse: str = WAREHOUSE,
+    model: Optional[str] = typer.Option(None, help="Only this model (default: every model)."),
+    checkpoint: Optional[str] = typer.Option(None, help="Only this checkpoint (default: every checkpoint)."),
+):
+    """Fold the partials committed without a fold (`extract --no-fold`, Slurm array tasks) into the
+    merged tables the views read: every pending partial of a group in one pass over its state, one
+    commit record.  Safe beside running extracts and other merges (nothing is folded twice).
+
+    Example: python cli.py merge --warehouse warehouse --model pythia-1.4b --checkpoint step143000
+    """
+    from warehouse.merge import fold_pending
+    from warehouse.query import refresh_companions
+    from warehouse.storage import open_storage
+
+    try:
+        st = open_storage(warehouse, must_exist=True)
+        t = time.perf_counter()
+        n = fold_pending(st, model, checkpoint)
+        refresh_companions(st)
+    except UserError as e:
+        fail(str(e))
+    typer.echo(f"folded {n} pending partial(s) in {time.perf_counter() - t:.1f} s" if n else "nothing pending", err=True)
 
 
 @app.command()
@@ -453,7 +500,8 @@ def report(
     from warehouse.report import build_report
 
     try:
-        result = build_report(warehouse, out, model, checkpoint)
+        with _Notes():
+            result = build_report(warehouse, out, model, checkpoint)
     except UserError as e:
         fail(str(e))
     for f in result.missing:

@@ -19,6 +19,7 @@ import importlib.resources
 import json
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,16 +242,36 @@ def write_views_file(root, manifest: dict | None = None) -> str:
     return st.display(store.VIEWS_FILE)
 
 
+class PendingPartials(UserWarning):
+    """Partials committed without a fold (`extract --no-fold`, a sweep's checkpoint still running): the
+    views hold every group's folded partials exactly, and not these until `cli.py merge` folds them."""
+
+
+def pending_line(manifest: dict) -> str | None:
+    """One line saying which partials the views do not count yet (None: every partial is folded)."""
+    todo = {merge.partial_id(e): e for group in merge.pending(manifest).values() for e in group}
+    if not todo:
+        return None
+    pairs = sorted({f"{e['model']}@{e['checkpoint']}" for e in todo.values()})
+    where = ", ".join(pairs[:3]) + (f" and {len(pairs) - 3} more" if len(pairs) > 3 else "")
+    return (f"{len(todo)} committed partial(s) of {where} are not folded into the views yet "
+            "(`python cli.py merge` folds them; view runs: folded = false)")
+
+
 def connect(root="warehouse") -> "ReadOnlyConnection":
     """An in-memory DuckDB connection with every view of the warehouse at `root` (a directory or
     s3://bucket/prefix), read-only: locked (`read_only`) and every statement checked
-    (`ReadOnlyConnection`).  Use it as a DuckDBPyConnection: `connect(wh).execute(q).pl()`."""
+    (`ReadOnlyConnection`).  Use it as a DuckDBPyConnection: `connect(wh).execute(q).pl()`.  Partials
+    committed but not folded yet are not in the views: a `PendingPartials` warning says so."""
     root = open_storage(root, must_exist=True)
     manifest = refresh_companions(root, strict=False)
     stale, extra = merge.stale_groups(manifest)
     if stale or extra:  # only a hand-edited manifest or a warehouse restored in parts gets here
         raise UserError(f"{root}: merged tables do not match the partials for {len(stale) + len(extra)} group(s); "
                         "run `python cli.py validate --warehouse ... --fix`")
+    line = pending_line(manifest)
+    if line:
+        warnings.warn(PendingPartials(line), stacklevel=2)
     verify_listed(root, manifest)
     con = duckdb.connect()
     try:

@@ -323,6 +323,7 @@ RUNS = pa.schema(
         pa.field("settings", pa.string()),  # JSON
         pa.field("provenance", pa.string()),  # JSON
         pa.field("stats", pa.string()),  # JSON: every counter of the run (spills, accumulator peak bytes, …)
+        pa.field("folded", pa.bool_()),  # data: whether its source group and 'all' hold it (false: pending a fold)
     ]
 )
 

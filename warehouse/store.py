@@ -595,6 +595,14 @@ def write_runs_table(root, manifest: dict) -> None:
 def runs_table(manifest: dict) -> pa.Table:
     """One row per manifest entry (the `runs` view), tagged with the manifest's generation."""
     rows = []
+    inputs = {k: set(e.get("inputs") or ()) for k, e in manifest["entries"].items() if e["kind"] == "merged"}
+
+    def folded(e: dict) -> bool | None:  # (groups.py: a partial is pending until both its groups hold it)
+        if e["kind"] != "data":
+            return None
+        pid = e["run_id"] + ":" + e["key"]
+        return all(pid in inputs.get(entry_key("merged", e["model"], e["checkpoint"], g), ()) for g in (e["source"], "all"))
+
     for e in manifest["entries"].values():
         stats, prov = e.get("stats", {}), e.get("provenance", {})
         rows.append(
@@ -609,7 +617,7 @@ def runs_table(manifest: dict) -> pa.Table:
                 "source_fingerprint": prov.get("source_fingerprint"),
                 "settings": json.dumps(e.get("settings", {}), sort_keys=True),
                 "provenance": json.dumps(prov, sort_keys=True),
-                "stats": json.dumps(stats, sort_keys=True),
+                "stats": json.dumps(stats, sort_keys=True), "folded": folded(e),
             }
         )
     return pa.Table.from_pylist(rows, schema=schema.RUNS.with_metadata(
