@@ -2,8 +2,9 @@
 
 Every partial goes through the writer `extract` uses (`extract.run.write_sums`, fed synthetic
 float64 sums in place of a model's: random, self-consistent, deterministic), then `merge.commit`
-(the fold into the source group and `all`), then, per checkpoint, `merge.compact` (unless
---no-compact), as `cli.py sweep` now does.  Per partial it prints the bytes written and read (this
+(--fold commit: the fold into the source group and `all` at every commit; --fold checkpoint, the
+default: the partial appended, and one `merge.fold_pending` per checkpoint once its partials are in),
+then, per checkpoint, `merge.compact` (unless --no-compact), as `cli.py sweep` now does.  Per partial it prints the bytes written and read (this
 process's /proc/self/io: write_bytes/read_bytes — what reached the block layer — and wchar/rchar — what
 went through read()/write(), page cache included), the seconds and the peak RSS, for the write and for
 the commit separately; then the disk peak (sampled after each write, commit and compaction) and the
@@ -183,7 +184,10 @@ def write_vocab(wh: Path, model: str, checkpoint: str, step, V: int, d: int) -> 
 
 
 def bench_write(wh: Path, a) -> None:
-    peak, commits = 0, []
+    """Every partial written and committed; with --fold commit each commit folds it (the old path), with
+    --fold checkpoint each commit appends it and the checkpoint is folded once when its partials are in
+    (`fold_pending`, as `cli.py sweep` and `cli.py merge` do)."""
+    peak, commits, folds = 0, [], []
     for c in range(a.checkpoints):
         ckpt, step = (f"step{c * 1000}", c * 1000)
         merge.commit(wh, [write_vocab(wh, "bench", ckpt, step, a.vocab, a.d)])
@@ -196,20 +200,31 @@ def bench_write(wh: Path, a) -> None:
                 part = sum((wh / f).stat().st_size for f in entry["files"].values())
                 peak = max(peak, disk(wh))
                 with Phase() as m:
-                    merge.commit(wh, [entry])
+                    merge.commit(wh, [entry], fold=a.fold == "commit")
                 peak = max(peak, disk(wh))
                 commits.append((part, w, m))
                 print(f"{ckpt} source{s} shard {k + 1}/{a.shards}: partial {part / 1e9:.3f} GB\n"
                       f"    write  {w.line()}\n    commit {m.line()}", flush=True)
+        if a.fold == "checkpoint":
+            with Phase() as f:
+                n = merge.fold_pending(wh, "bench", ckpt)
+            peak = max(peak, disk(wh))
+            folds.append(f)
+            print(f"{ckpt} fold of {n} pending partials {f.line()}", flush=True)
         if not a.no_compact:
             with Phase() as p:
                 merge.compact(wh, "bench", ckpt)
             print(f"{ckpt} compact {p.line()}; warehouse {disk(wh) / 1e9:.3f} GB", flush=True)
     total_part = sum(p for p, _, _ in commits)
-    io_commit = sum(m.d["rchar"] + m.d["wchar"] for _, _, m in commits)
-    print(f"partials {total_part / 1e9:.3f} GB; commits' rchar+wchar {io_commit / 1e9:.3f} GB "
-          f"= {io_commit / max(total_part, 1):.1f}× the partials; write {sum(w.seconds for _, w, _ in commits):.1f} s, "
-          f"commit {sum(m.seconds for _, _, m in commits):.1f} s")
+    rw = lambda ph: ph.d["rchar"] + ph.d["wchar"]  # noqa: E731
+    io_commit = sum(rw(m) for _, _, m in commits) + sum(rw(f) for f in folds)
+    io_write = sum(rw(w) for _, w, _ in commits)
+    print(f"--fold {a.fold}: partials {total_part / 1e9:.3f} GB; commits'{' and folds' if folds else ''} rchar+wchar "
+          f"{io_commit / 1e9:.3f} GB = {io_commit / max(total_part, 1):.2f}× the partials; with the partials' writes "
+          f"{(io_commit + io_write) / 1e9:.3f} GB = {(io_commit + io_write) / max(total_part, 1):.2f}×; "
+          f"write {sum(w.seconds for _, w, _ in commits):.1f} s, commit {sum(m.seconds for _, _, m in commits):.1f} s"
+          + (f", fold {sum(f.seconds for f in folds):.1f} s (peak RSS {max(f.rss for f in folds) / 1e9:.2f} GB)"
+             if folds else ""))
     print(f"disk peak {peak / 1e9:.3f} GB; at rest {disk(wh) / 1e9:.3f} GB")
 
 
@@ -354,6 +369,8 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=2)
     ap.add_argument("--moments", action="store_true", help="also the d×d moments of every layer")
     ap.add_argument("--vector-dtype", default="float32")
+    ap.add_argument("--fold", choices=("commit", "checkpoint"), default="checkpoint",
+                    help="commit: every commit folds its partial; checkpoint: commits append, one fold per checkpoint")
     ap.add_argument("--no-compact", action="store_true", help="do not compact each checkpoint once its partials are in")
     ap.add_argument("--no-write", action="store_true", help="skip the write-path part")
     ap.add_argument("--startup", default="1,8,64,512", help="partial counts for the start-up part ('' : skip)")

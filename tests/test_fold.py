@@ -286,3 +286,29 @@ def test_cli_no_fold_then_merge_equals_folding_extracts(tmp_path, sources, model
         ca.close()
         cb.close()
     assert run_cli("validate", "--warehouse", a)[0] == 0
+
+
+def test_a_fold_hashes_each_partial_at_most_once(tmp_path, monkeypatch):
+    """The fold verifies its inputs against their records; a file this process wrote (a sweep) is not
+    read again to hash it, and one written elsewhere is hashed once, not once per group."""
+    from warehouse import storage
+
+    root = tmp_path / "wh"
+    entries = _layout(root, 17, sources=2, shards=2)
+    for e in entries:
+        merge.commit(root, [e], fold=False)
+    hashed = []
+    real = storage.checksum
+    monkeypatch.setattr(storage, "checksum", lambda st, rel: hashed.append(rel) or real(st, rel))
+    merge.fold_pending(root)
+    assert hashed == []  # written by this process, unchanged since
+    other = tmp_path / "other"
+    entries = _layout(other, 17, sources=2, shards=2)
+    for e in entries:
+        merge.commit(other, [e], fold=False)
+    monkeypatch.setattr(store, "_WRITTEN", {})  # as if another process had written them
+    monkeypatch.setattr(store, "_WRITTEN_KEY", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # and no query verified them
+    merge.fold_pending(other)
+    files = [f for e in entries for f in e["files"].values()]
+    assert sorted(hashed) == sorted(files)  # each once, though each is read for two groups

@@ -375,6 +375,19 @@ def test_any_changed_byte_of_any_file_is_reported(small, tmp_path_factory, which
         assert (wh / rel).read_bytes() == (small / rel).read_bytes()
 
 
+def test_a_changed_byte_inside_a_path_of_views_sql_is_not_a_move(small, tmp_path):
+    """views.sql of a copied warehouse names the old directory (a move: fine); a byte changed inside
+    one of its paths (found by the property test: '/' → NUL) is reported and rewritten by --fix."""
+    wh = copy(small, tmp_path / "wh")
+    assert validate(wh) == []  # moved: every path names the old directory
+    data = (wh / "views.sql").read_bytes()
+    i = data.rindex(b"/", 0, data.index(b"/tables/token_stats/"))  # a '/' of the directory's path
+    (wh / "views.sql").write_bytes(data[:i] + b"\x00" + data[i + 1:])
+    assert any("views.sql: differs" in p for p in validate(wh))
+    assert validate(wh, fix=True) == []
+    assert b"\x00" not in (wh / "views.sql").read_bytes()
+
+
 def all_views(wh: Path) -> dict[str, str]:
     """Every view's rows (sorted, as text: NaN equals NaN) through connect()."""
     from warehouse.query import BASE_VIEWS, connect, load_metrics

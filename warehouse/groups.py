@@ -54,16 +54,20 @@ def repair_hint(entry: dict) -> str:
 
 def checked(root, entries: Iterable[dict | None]) -> Checked:
     """`root` whose reads of the entries' files verify them against their commit records' checksums
-    first (each file once per fold): a fold never reads a byte its record did not write."""
+    first (each file once per fold, and not at all when this process wrote or verified that very file
+    version, or connect() did: store.known_good): a fold never reads a byte its record did not write."""
     st = open_storage(root)
+    cache = store.read_verified_cache(store.cache_dir() / store.VERIFIED_CACHE) if st.local else {}
     expected = {}
     for e in entries:
         if e is None:
             continue
         sums = e.get("checksums") or {}
         for rel in e["files"].values():  # (a partial not yet committed: as this process wrote it)
-            expected[rel] = (sums.get(rel) or store.written_checksum(st, rel), repair_hint(e))
-    return Checked(st, expected)
+            want = sums.get(rel) or store.written_checksum(st, rel)
+            if not store.known_good(st, rel, want, cache):  # (written or verified before, unchanged since)
+                expected[rel] = (want, repair_hint(e))
+    return Checked(st, expected, on_verified=lambda rel, want: store.note_verified(st, rel, want))
 
 
 def is_compacted(manifest: dict, model: str, checkpoint: str) -> bool:

@@ -487,14 +487,17 @@ class Checked(Storage):
     (once per file and Checked: a fold reads a file layer by layer): what a fold reads is what its
     commit record wrote, or the fold stops with one line."""
 
-    def __init__(self, inner: "Storage", expected: dict[str, tuple[dict | None, str]]):
+    def __init__(self, inner: "Storage", expected: dict[str, tuple[dict | None, str]], on_verified=None):
         self.inner, self.expected, self._done = inner, expected, set()
         self.url, self.fs, self.local = inner.url, inner.fs, inner.local
+        self._on_verified = on_verified  # called with (rel, checksum) after each file verified
 
     def _check(self, rel: str) -> None:
         if rel in self.expected and rel not in self._done:
             verify(self.inner, rel, *self.expected[rel])
             self._done.add(rel)
+            if self._on_verified is not None:
+                self._on_verified(rel, self.expected[rel][0])
 
     @contextlib.contextmanager
     def input_stream(self, rel: str):

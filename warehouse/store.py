@@ -358,6 +358,33 @@ def read_verified_cache(path: Path) -> dict:
         return {}
 
 
+_VERIFIED: dict[str, list] = {}  # absolute path → file_key of a local file this process verified
+
+
+def known_good(st: Storage, rel: str, want: dict | None, cache: dict) -> bool:
+    """Whether local file `rel` is known to hold the bytes `want` (its record's checksum) without
+    reading it: this process wrote it or verified it, or the verified-files `cache` (as connect()
+    keeps it) has it, and it is the same file version since (size, mtime, ctime, inode).  A fold
+    then reads each partial for its folds only, not once more per group to hash it."""
+    if not want or not st.local:
+        return False
+    path = os.path.abspath(st.path(rel))
+    key = file_key(path, want)
+    if key is None:
+        return False
+    return (_VERIFIED.get(path) == key or cache.get(path) == key
+            or (_WRITTEN.get(st.path(rel)) == want and _WRITTEN_KEY.get(st.path(rel)) == key))
+
+
+def note_verified(st: Storage, rel: str, want: dict | None) -> None:
+    """Remember, in this process, that `rel` was just verified against `want`."""
+    if want and st.local:
+        path = os.path.abspath(st.path(rel))
+        key = file_key(path, want)
+        if key is not None:
+            _VERIFIED[path] = key
+
+
 def remember_written(st: Storage, entries: list[dict]) -> None:
     """After a commit: this process's own files (hashed while written, unchanged since: the same
     size, times and inode as right after their rename) go into the verified-files cache, so the

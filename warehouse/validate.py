@@ -239,10 +239,18 @@ def _generation_of(rel: str, data: bytes) -> int | None:
         return None
 
 
-def _paths_stripped(text: bytes) -> bytes:
-    """views.sql without the warehouse's location (its absolute paths or URLs, the "Open with" line)."""
-    text = re.sub(rb"'[^'\n]*?/((?:tables/|runs\.parquet)[^'\n]*)'", rb"'\1'", text)
-    return re.sub(rb"(?m)^-- Open with: .*$", b"", text)
+_LOCATION = re.compile(rb"'([^'\n]*?/)(?:tables/|runs\.parquet)")
+
+
+def _moved_only(got: bytes, want: bytes) -> bool:
+    """Whether views.sql `got` is `want` written for this warehouse at another location (copied or
+    moved): every path in it names one and the same directory, and putting this warehouse's directory
+    in its place everywhere (the "Open with" line too) gives `want` byte for byte — a changed byte
+    anywhere else, inside one of the paths included, is not a move."""
+    have, where = set(_LOCATION.findall(got)), set(_LOCATION.findall(want))
+    if len(have) != 1 or len(where) != 1:
+        return False
+    return got.replace(have.pop(), where.pop()) == want
 
 
 def _companions(root: Storage, manifest: dict, fix: bool, say) -> list[str]:
@@ -267,7 +275,7 @@ def _companions(root: Storage, manifest: dict, fix: bool, say) -> list[str]:
         gen = _generation_of(rel, got)
         if got == want or (gen is not None and gen < manifest["generation"]):
             continue
-        if rel == store.VIEWS_FILE and _paths_stripped(got) == _paths_stripped(want):
+        if rel == store.VIEWS_FILE and _moved_only(got, want):
             continue  # written for this warehouse at another path (copied or moved): `views` rewrites it
         if fix:
             root.replace(rel, want)
