@@ -16,6 +16,29 @@ from torch._dynamo.utils import counters
 from extract import accumulate
 from extract.accumulate import Moments, TokenSums
 
+# The dynamo settings these tests change; each test must leave them readable and as they were.
+_DYNAMO_SETTINGS = ("recompile_limit", "fail_on_recompile_limit_hit")
+
+
+@pytest.fixture(autouse=True)
+def _dynamo_config_left_as_found():
+    """Fails the test that leaves torch._dynamo.config changed or unreadable: the state is per process,
+    and a later compile in the same pytest-xdist worker would fall back to eager for no reason of its
+    own.  (The failure seen in CI: pytest >= 9.2's `monkeypatch.setattr` records a torch config module's
+    setting as "absent" — settings live in the module's `_config`, not its `__dict__` — and its undo
+    `delattr`s it, which torch's ConfigModule implements as *hide*: every later read, dynamo's own
+    `config.recompile_limit` in the next compile included, raised "torch._dynamo.config.recompile_limit
+    does not exist".  Torch settings are changed with `torch._dynamo.config.patch`, never monkeypatch.)"""
+    before = {name: getattr(torch._dynamo.config, name) for name in _DYNAMO_SETTINGS}
+    yield  # torn down after monkeypatch's undo (autouse fixtures are set up first)
+    after = {}
+    for name in _DYNAMO_SETTINGS:
+        try:
+            after[name] = getattr(torch._dynamo.config, name)
+        except AttributeError as e:
+            pytest.fail(f"the test left torch._dynamo.config unreadable: {e}")
+    assert after == before, "the test left torch._dynamo.config changed"
+
 
 def _batch(B: int, T: int, V: int, d: int, gen: torch.Generator):
     ids = torch.randint(0, V, (B, T), generator=gen)
@@ -99,28 +122,31 @@ def test_a_failed_recompile_falls_back_to_eager_with_one_warning():
     _assert_same(eager, fused, L)
 
 
-def test_recompile_limit_is_an_error_not_a_silent_eager_fallback(monkeypatch):
+def test_recompile_limit_is_an_error_not_a_silent_eager_fallback():
     """torch's recompile limit, hit inside `_run_compiled`, raises (instead of torch running the step
     eagerly without a word): `add` falls back to its own eager path with one warning, the path
     recorded, the sums right.  (dynamo's "eager" backend and a limit of 1: fast; a dtype change forces
-    the recompile.)"""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    the recompile.  The limit is set with torch's own `config.patch`, not monkeypatch: see
+    `_dynamo_config_left_as_found`.)"""
     L, V, d = 1, 40, 4
     gen = torch.Generator().manual_seed(3)
     eager, fused = TokenSums(L, V, d, "cpu", fused=False), TokenSums(L, V, d, "cpu", fused=True)
     torch._dynamo.reset()
-    fused._fused = torch.compile(accumulate.layer_step, backend="eager")
-    _feed([eager, fused], [(2, 3)], V, d, L, gen)  # bf16: compiled
-    assert fused._compiled_once and fused._fused is not None
-    ids, counted, hidden = _batch(3, 2, V, d, gen)
-    with pytest.warns(RuntimeWarning, match="recompile failed \\(FailOnRecompileLimitHit"):
-        for acc in (eager, fused):
-            acc.set_batch(ids, counted)
-            acc.add(0, hidden.float())  # float32: another graph, over the limit
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):
+            fused._fused = torch.compile(accumulate.layer_step, backend="eager")
+            _feed([eager, fused], [(2, 3)], V, d, L, gen)  # bf16: compiled
+            assert fused._compiled_once and fused._fused is not None
+            ids, counted, hidden = _batch(3, 2, V, d, gen)
+            with pytest.warns(RuntimeWarning, match="recompile failed \\(FailOnRecompileLimitHit"):
+                for acc in (eager, fused):
+                    acc.set_batch(ids, counted)
+                    acc.add(0, hidden.float())  # float32: another graph, over the limit
+    finally:
+        torch._dynamo.reset()  # the eager-backend entries on layer_step's code: not for the next test
     assert fused._fused is None and fused.paths["layer_step"] == "eager (recompile failed: FailOnRecompileLimitHit)"
     assert not torch._dynamo.config.fail_on_recompile_limit_hit  # set only around the call
     _assert_same(eager, fused, L)
-    torch._dynamo.reset()
 
 
 def test_bf16_product_probe_runs_on_the_rows_device_and_its_fallback_warns(monkeypatch):
@@ -389,17 +415,18 @@ def test_moments_fed_the_compiled_steps_n_and_sum_equal_their_own():
     fed = []
     real = accs[1].moments.add
     accs[1].moments.add = lambda *a, **k: (fed.append(k.get("s") is not None), real(*a, **k))
-    for B, T in ((3, 5), (1, d), (2, 7)):
-        ids, counted, hidden = _batch(B, T, V, d, gen)
-        hidden = hidden + 3  # a mean: layer 0 is centred and split, the other raw
-        hidden[0, 0, 1] = float("nan")
-        for acc in accs:
-            acc.set_batch(ids, counted)
-            for layer in range(L):
-                acc.add(layer, hidden if layer == 0 else hidden - 3)
+    with warnings.catch_warnings():
+        # a fallback to eager fails here, naming torch's error (the compiled path is what this test is about)
+        warnings.filterwarnings("error", "torch.compile of the accumulation step", RuntimeWarning)
+        for B, T in ((3, 5), (1, d), (2, 7)):
+            ids, counted, hidden = _batch(B, T, V, d, gen)
+            hidden = hidden + 3  # a mean: layer 0 is centred and split, the other raw
+            hidden[0, 0, 1] = float("nan")
+            for acc in accs:
+                acc.set_batch(ids, counted)
+                for layer in range(L):
+                    acc.add(layer, hidden if layer == 0 else hidden - 3)
     eager, fused = accs
-    if fused._fused is None or not any(fed):  # inductor could not compile here (seen in one fresh CI venv)
-        pytest.skip("the compiled step fell back to eager in this environment: nothing to compare")
     assert all(fed) and len(fed) == 6 and fused._fused is not None
     me, mf = eager.moments, fused.moments
     assert torch.equal(me.n, mf.n) and torch.equal(me.s1, mf.s1) and me._split == mf._split == [True, False]
