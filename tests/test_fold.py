@@ -312,3 +312,26 @@ def test_a_fold_hashes_each_partial_at_most_once(tmp_path, monkeypatch):
     merge.fold_pending(other)
     files = [f for e in entries for f in e["files"].values()]
     assert sorted(hashed) == sorted(files)  # each once, though each is read for two groups
+
+
+def test_a_commit_appends_its_own_files_to_its_warehouses_cache_only(tmp_path, monkeypatch):
+    """The verified-files cache is one file per warehouse, appended to: a commit writes a line per file
+    it wrote (O(its files)), never the other warehouses' lines or its own history."""
+    from warehouse.storage import open_storage
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    a, b = tmp_path / "a", tmp_path / "b"
+    merge.commit(b, [_layout(b, 1, sources=1, shards=1)[0]])
+    cb = store.verified_cache_file(open_storage(b))
+    before_b = cb.read_bytes()
+    entries = _layout(a, 2, sources=1, shards=3)
+    ca = store.verified_cache_file(open_storage(a))
+    sizes = []
+    for e in entries:
+        merge.commit(a, [e], fold=False)
+        sizes.append(len(ca.read_bytes().splitlines()))
+    assert sizes == [2, 4, 6]  # token_sums and layer_sums of each partial, appended
+    assert cb.read_bytes() == before_b
+    assert store.read_verified_cache(open_storage(a))[0] == {
+        str((a / f).resolve()): store.file_key(str((a / f).resolve()), store.written_checksum(open_storage(a), f))
+        for e in entries for f in e["files"].values()}

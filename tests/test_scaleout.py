@@ -167,6 +167,8 @@ def test_slurm_array_script_sweeps_and_resumes(workdir, sources, model_factory):
     for task, (code, err) in array(range(4)).items():  # the whole array resubmitted: only task 2 runs
         assert code == 0, err[-2000:]
         assert ("already in the warehouse with these settings; skipped" in err) == (task != 2), (task, err)
+    code, _, err = run_cli("merge", "--warehouse", wh)  # the tasks appended (--no-fold): one fold
+    assert code == 0 and "folded 4 pending partial(s)" in err, err
     got = views(wh)
     assert got["shards"] == sorted((c, s, "1-of-1") for c in ("step0", "step5") for s in ("alpha", "beta"))
     one = workdir / "scale-slurm-one"

@@ -57,7 +57,7 @@ def checked(root, entries: Iterable[dict | None]) -> Checked:
     first (each file once per fold, and not at all when this process wrote or verified that very file
     version, or connect() did: store.known_good): a fold never reads a byte its record did not write."""
     st = open_storage(root)
-    cache = store.read_verified_cache(store.cache_dir() / store.VERIFIED_CACHE) if st.local else {}
+    cache = store.read_verified_cache(st)[0] if st.local else {}
     expected = {}
     for e in entries:
         if e is None:

@@ -16,7 +16,6 @@ and whose body is one SELECT; it becomes `CREATE VIEW <name> AS <body>`.
 from __future__ import annotations
 
 import importlib.resources
-import json
 import os
 import re
 import warnings
@@ -289,8 +288,8 @@ def connect(root="warehouse") -> "ReadOnlyConnection":
 def verify_listed(root, manifest: dict) -> int:
     """Verify every local file the views read — each file the manifest lists that has a recorded
     checksum — against its commit record (size and blake2b), but each file version only once: a
-    verified file is remembered in `cache_dir()/verified-files.json` by absolute path, size, mtime_ns,
-    ctime_ns, inode and recorded hash, so a later connect only stat()s it, and after a commit hashes
+    verified file is remembered in the warehouse's own cache (store.verified_cache_file) by absolute
+    path, size, mtime_ns, ctime_ns, inode and recorded hash, so a later connect only stat()s it, and after a commit hashes
     only the new files.  A file whose bytes changed is re-hashed; if they differ from the record,
     one UserError line names it and how to repair it (merge.repair_hint).  A cache that cannot be
     read or written means hashing every time: slower, never wrong.  Files of records written before
@@ -300,9 +299,8 @@ def verify_listed(root, manifest: dict) -> int:
     st = open_storage(root)
     if not st.local:
         return 0
-    cache_file = store.cache_dir() / store.VERIFIED_CACHE
-    cache = store.read_verified_cache(cache_file)
-    hashed, current = 0, {}
+    cache, lines = store.read_verified_cache(st)
+    hashed, current, new = 0, {}, {}
     for e in manifest["entries"].values():
         sums = e.get("checksums") or {}
         for rel in e["files"].values():
@@ -320,17 +318,12 @@ def verify_listed(root, manifest: dict) -> int:
                 hashed += 1
                 if store.file_key(path, want) != key:  # changed while it was hashed: hashed again next time
                     continue
+                new[path] = key
             current[path] = key
-    if hashed:
-        prefix = os.path.join(os.path.abspath(st.path("")), "")
-        kept = {p: k for p, k in cache.items() if not p.startswith(prefix)}  # other warehouses' files
-        if len(kept) > store.CACHE_ENTRIES:  # bounded: deleted warehouses' entries would pile up forever
-            kept = {}
-        kept.update(current)  # this warehouse: the files it lists now (replaced ones drop out)
-        try:
-            store.atomic_write_bytes(cache_file.parent, cache_file.name, json.dumps(kept).encode())
-        except (OSError, UserError):
-            pass
+    if lines > 2 * len(current) + 1000:  # replaced files' lines piled up: keep the listed ones only
+        store.rewrite_verified(st, current)
+    else:
+        store.append_verified(st, new)
     return hashed
 
 

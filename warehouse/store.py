@@ -330,8 +330,7 @@ def check_compatible(manifest: dict, model: str, hidden_size: int) -> None:
             )
 
 
-VERIFIED_CACHE = "verified-files.json"
-CACHE_ENTRIES = 200_000  # ~25 MB of JSON; beyond it the other warehouses' entries are forgotten
+VERIFIED_DIR = "verified"  # under cache_dir(): one append-only JSON-lines file per local warehouse
 
 
 def cache_dir() -> Path:
@@ -350,12 +349,62 @@ def file_key(path: str, want: dict) -> list | None:
     return [s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino, want[HASH]]
 
 
-def read_verified_cache(path: Path) -> dict:
+def verified_cache_file(st: Storage) -> Path:
+    """The verified-files cache of the local warehouse `st`: cache_dir()/verified/<hash of its
+    absolute path>.jsonl, each line [absolute path, file_key] — later lines win.  Appended to by each
+    commit (O(its files), whatever the warehouse's history or the user's other warehouses hold) and
+    by connect(), which rewrites it when it holds more than twice the lines it needs."""
+    import hashlib
+
+    where = os.path.abspath(st.path("")).encode()
+    return cache_dir() / VERIFIED_DIR / (hashlib.blake2b(where, digest_size=10).hexdigest() + ".jsonl")
+
+
+def read_verified_cache(st: Storage) -> tuple[dict, int]:
+    """(absolute path → file_key, lines read) of `st`'s verified-files cache; a line that does not
+    parse (a writer killed mid-line) is skipped: a file it named is hashed again, never trusted."""
+    out, lines = {}, 0
     try:
-        data = json.loads(path.read_bytes())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+        data = verified_cache_file(st).read_bytes()
+    except OSError:
+        return out, 0
+    for line in data.splitlines():
+        lines += 1
+        try:
+            path, key = json.loads(line)
+        except (ValueError, TypeError):
+            continue
+        if isinstance(path, str) and isinstance(key, list):
+            out[path] = key
+    return out, lines
+
+
+def append_verified(st: Storage, items: dict) -> None:
+    """Append verified files (absolute path → file_key) to `st`'s cache.  Best effort: a cache that
+    cannot be written only means hashing them again later."""
+    if not items:
+        return
+    path = verified_cache_file(st)
+    text = "".join(json.dumps([p, k]) + "\n" for p, k in items.items()).encode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, text)  # one O_APPEND write: lines of racing writers do not interleave
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def rewrite_verified(st: Storage, items: dict) -> None:
+    """Replace `st`'s cache by exactly `items` (connect(): the files listed now)."""
+    path = verified_cache_file(st)
+    try:
+        atomic_write_bytes(path.parent, path.name,
+                           "".join(json.dumps([p, k]) + "\n" for p, k in items.items()).encode())
+    except (OSError, UserError):
+        pass
 
 
 _VERIFIED: dict[str, list] = {}  # absolute path → file_key of a local file this process verified
@@ -399,17 +448,7 @@ def remember_written(st: Storage, entries: list[dict]) -> None:
             want, at_write = _WRITTEN.get(st.path(rel)), _WRITTEN_KEY.get(st.path(rel))
             if want and at_write and file_key(path, want) == at_write:
                 new[path] = at_write
-    if not new:
-        return
-    cache_file = cache_dir() / VERIFIED_CACHE
-    cache = read_verified_cache(cache_file)
-    if len(cache) > CACHE_ENTRIES:
-        cache = {}
-    cache.update(new)
-    try:
-        atomic_write_bytes(cache_file.parent, cache_file.name, json.dumps(cache).encode())
-    except (OSError, UserError):
-        pass
+    append_verified(st, new)
 
 
 def publish(root, base_seq: int, manifest: dict, entries: list[dict], remove: list[str] = ()
