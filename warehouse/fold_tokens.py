@@ -26,6 +26,7 @@ from .storage import Storage
 
 
 CHUNK_BYTES = 8 << 20  # float64 rows of one token chunk per stream
+FOLD_BYTES = 512 << 20  # all streams' chunks together: a fold of many pending partials takes smaller chunks
 STATS_ROWS = 1 << 20  # token_stats rows per row group
 _MASK = (1 << 32) - 1
 
@@ -201,7 +202,8 @@ def _fold_tokens(st: Storage, key: dict, old: dict | None, adds: list[dict], rem
     if old is not None and "token_vectors" not in old["files"]:
         old, adds, removes = None, members, []
     keep_state = len(members) > 1
-    chunk_rows = max(64, CHUNK_BYTES // (8 * d))
+    streams_n = 2 * (old is not None) + len(adds) + len(removes)
+    chunk_rows = max(64, min(CHUNK_BYTES // (8 * d), FOLD_BYTES // (8 * d * max(streams_n, 1))))
     streams: list[_Sorted] = []
     try:
         old_stats = old_vecs = None
