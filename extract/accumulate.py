@@ -64,6 +64,8 @@ import torch
 from isotropy_warehouse import faults
 from isotropy_warehouse.errors import UserError
 
+from .sequences import row_terms, successors
+
 try:
     import fcntl
 except ImportError:  # not POSIX: orphaned spill directories are not swept
@@ -106,6 +108,7 @@ class TokenSums:
         self.windows = torch.zeros(n_layers, dtype=torch.int64, device=self.device)  # windows with ≥ 2 vectors
         self.window_cos = torch.zeros(n_layers, dtype=torch.float64, device=self.device)  # Σ_w mean cos(h, m_w)
         self._batch = None
+        self._nxt = None  # (M,) the counted rows' successors (`set_batch`, compiled step with `extra`)
         # On a GPU, a few compiled kernels per layer (norm; scale + scatter-add; per-window
         # reductions) instead of ~15 eager ones, the float64 û never written to memory: `layer_step`.
         use = self.device.type == "cuda" and not self.fold_partials and not self.segment if fused is None else fused
@@ -242,6 +245,8 @@ class TokenSums:
                          torch.arange(len(sel_np), device=self.device),
                          self._h2d(np.bincount(win_np, minlength=B)))
         self._counted = self._h2d(counted) if self._fused is not None else None
+        # the counted rows' successors, for the per-window measures' terms in the compiled step
+        self._nxt = self._h2d(successors(len(sel_np))) if self._fused is not None and self.extra is not None else None
         if self.segment:  # the batch's rows sorted by slot once; per layer, segment sums over the runs
             order = np.argsort(slots, kind="stable")  # (M,)
             uniq, lengths = np.unique(slots[order], return_counts=True)  # (U,), (U,)
@@ -266,7 +271,7 @@ class TokenSums:
         if self._fused is not None and self.sample is None and uniq is None:
             try:
                 stats = _run_compiled(self._fused, self.sums[layer], self.counts[layer], index, hidden, sel,
-                                      self._counted)
+                                      self._counted, self._nxt)
             except Exception as e:  # no Triton / compiler here, or a recompile failed or hit the limit:
                 # the eager path from here on, same sums (a compile fails before the step writes anything)
                 why = "recompile" if self._compiled_once else "compile"
@@ -277,17 +282,22 @@ class TokenSums:
             else:
                 self._compiled_once = True
                 nonfinite, zero, ok_bt, *windows = stats
+                windows, terms = windows[:4], windows[4:]  # terms: `row_terms` (with `extra`)
                 self.nonfinite[layer] += nonfinite
                 self.zero[layer] += zero
                 self._window_stats(layer, *windows)
-                if self.moments is not None or self.extra is not None:  # the raw rows, NaN/inf/zero ones zeroed
-                    h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d)
+                if self.moments is not None or self.extra is not None:
                     ok = ok_bt.reshape(-1).index_select(0, sel)  # (M,) the step's own finite & non-zero test
-                    h = h.masked_fill(~ok.unsqueeze(1), 0)
-                    if self.moments is not None:  # n and Σh from the step's per-window sums: not read again
+                    flat = hidden.reshape(-1, d)  # (B·T, d)
+                    h = None
+                    if self.moments is not None:  # the raw rows, NaN/inf/zero ones zeroed; n and Σh from
+                        h = flat.index_select(0, sel).masked_fill(~ok.unsqueeze(1), 0)  # the step: not read again
                         self.moments.add(layer, h, ok, s=windows[0].sum(0), n=windows[2].sum())
-                    if self.extra is not None:
-                        self.extra.add(layer, h, ok, windows[0], windows[2])
+                    if self.extra is not None:  # its row terms from the step: only a few rows are read again
+                        if h is None:
+                            self.extra.add(layer, flat, ok, windows[0], windows[2], terms=tuple(terms), sel=sel)
+                        else:
+                            self.extra.add(layer, h, ok, windows[0], windows[2], terms=tuple(terms))
                 return
         h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d) compute dtype
         if self.sample is not None:
@@ -353,9 +363,12 @@ class TokenSums:
         u2 = torch.zeros(d, dtype=f64)  # Σû² per dimension
         S = self.sums[layer]
         finites, oks, excluded = [], [], False  # per chunk: its finite rows, its finite non-zero rows (c,)
+        terms = [] if self.extra is not None else None  # per chunk: `row_terms` of its rows
         for a in range(0, M, self.CHUNK):
             b = min(a + self.CHUNK, M)
-            x = h[a:b].to(f64, copy=True)  # (c, d) exact upcast, never h itself (moments read h later)
+            o = 2 if terms is not None and a > 0 else 0  # the per-window terms: 2 rows of the previous chunk
+            xe = h[a - o:b].to(f64, copy=True)  # (o + c, d) exact upcast, never h itself (moments read h later)
+            x = xe[o:]  # (c, d) this chunk's rows
             norm = torch.linalg.vector_norm(x, dim=1)  # (c,) float64
             inv = norm.reciprocal()
             finite = torch.isfinite(norm)
@@ -366,6 +379,8 @@ class TokenSums:
                 excluded = True
                 x.masked_fill_(~ok.unsqueeze(1), 0)
                 inv = torch.where(ok, inv, 0.0)
+            if terms is not None:  # the per-window measures' terms from the rows in cache (before û)
+                terms.append(_chunk_terms(xe, o, b == M))
             m.index_add_(0, win[a:b], x)
             x.mul_(inv.unsqueeze(1))  # û
             u.index_add_(0, win[a:b], x)
@@ -381,7 +396,7 @@ class TokenSums:
         if self.moments is not None:
             self.moments.add(layer, h, ok)
         if self.extra is not None:
-            self.extra.add(layer, h, ok, m, n_w)
+            self.extra.add(layer, h, ok, m, n_w, terms=tuple(torch.cat(t) for t in zip(*terms)))
 
     def _segment_add(self, layer: int, h: torch.Tensor, x: torch.Tensor, counts: torch.Tensor,
                      n_w: torch.Tensor) -> torch.Tensor:
@@ -469,6 +484,19 @@ def window_sums(h: torch.Tensor, norm: torch.Tensor, x: torch.Tensor, ok: torch.
     return mu[:n_win], mu[n_win:]
 
 
+def _chunk_terms(xe: torch.Tensor, o: int, last: bool) -> tuple[torch.Tensor, ...]:
+    """`row_terms` of one chunk of the CPU path, xe (o + c, d): the chunk's c rows after o (0 or 2)
+    rows of the previous chunk, so that the velocities and dot products across the boundary are
+    computed here.  Returns the pieces that, concatenated over the chunks, are `row_terms` of all
+    M rows: Σ|x|, max|x| of the c rows; ‖v‖² of the pairs from the row before the chunk's first on,
+    ⟨v', v⟩ from two rows before; the chunk's own last one or two (padding) rows only in the last chunk.
+    The previous chunk's rows are not masked (a pair with an excluded row is dropped by its mask)."""
+    n = len(xe)
+    abs_sum, row_max, nv2, dot = row_terms(xe, torch.from_numpy(successors(n)))
+    return (abs_sum[o:], row_max[o:], nv2[max(o - 1, 0): n if last else n - 1],
+            dot[: n if last else max(n - 2, 0)])
+
+
 def slow_path(paths: dict, key: str, value: str, message: str) -> None:
     """Record that `key` takes the slower path `value` (kept with the run's stats) and say so once, in one
     line (a RuntimeWarning: the CLI prints it, a test can catch it)."""
@@ -495,24 +523,26 @@ def _compiled_layer_step():
     return torch.compile(layer_step, dynamic=None)
 
 
-def _run_compiled(fn, sums, counts, index, hidden, sel, counted):
+def _run_compiled(fn, sums, counts, index, hidden, sel, counted, nxt=None):
     """Call the compiled `layer_step`, its changing sizes marked unbacked (see `_compiled_layer_step`),
     and with torch's recompile limit made an error (caught by `add`: the eager path, with a warning)
     instead of a silent fallback to eager inside torch."""
     import torch._dynamo.decorators  # loaded by torch.compile already; named here for the linters
 
     mark = torch._dynamo.decorators.mark_unbacked
-    for t in (sums, counts, index, sel):
+    for t in (sums, counts, index, sel) if nxt is None else (sums, counts, index, sel, nxt):
         mark(t, 0)
     for t in (hidden, counted):
         mark(t, 0)
         mark(t, 1)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        return fn(sums, counts, index, hidden, sel, counted)
+        if nxt is None:
+            return fn(sums, counts, index, hidden, sel, counted)
+        return fn(sums, counts, index, hidden, sel, counted, nxt)
 
 
 def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hidden: torch.Tensor,
-               sel: torch.Tensor, counted: torch.Tensor):
+               sel: torch.Tensor, counted: torch.Tensor, nxt: torch.Tensor | None = None):
     """One layer of one batch, written for `torch.compile` (the GPU path): sums (U, d) float64 +=
     û of the counted positions of hidden (B, T, d) (flat positions `sel` (M,), slots `index`
     (M,)), counts += 1 per finite non-zero vector; plus the per-window sums the eager path gets
@@ -520,7 +550,9 @@ def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hi
     the counted finite non-zero positions (B, T) (for the moments),
     Σh per window (B, d), Σû per window (B, d), vectors per window (B,), Σû² (d,)) as device
     tensors: no sync.  Compiled, the upcast, scaling and masking fuse into the reductions and the
-    scatter-add, so no (B, T, d) float64 tensor is materialised; eager, it is the same arithmetic."""
+    scatter-add, so no (B, T, d) float64 tensor is materialised; eager, it is the same arithmetic.
+    With `nxt` (M,) (the counted rows' successors, `--sequences`): also `row_terms` of the counted
+    rows (float64, masked), the per-window measures' (M,) terms, from the same upcast rows."""
     d = hidden.shape[-1]
     norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float64)  # (B, T)
     finite = norm.isfinite()
@@ -530,8 +562,11 @@ def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hi
     x = hm * inv.unsqueeze(-1)  # (B, T, d) û, zero where not counted
     sums.index_add_(0, index, x.reshape(-1, d).index_select(0, sel))
     counts.index_add_(0, index, ok.reshape(-1).index_select(0, sel).long())
-    return ((counted & ~finite).sum(), (counted & finite & (norm == 0)).sum(), ok,
-            hm.sum(1), x.sum(1), ok.sum(1), (x * x).sum((0, 1)))
+    out = ((counted & ~finite).sum(), (counted & finite & (norm == 0)).sum(), ok,
+           hm.sum(1), x.sum(1), ok.sum(1), (x * x).sum((0, 1)))
+    if nxt is None:
+        return out
+    return out + row_terms(hm.reshape(-1, d).index_select(0, sel), nxt)
 
 
 def _add_gram_upper(S: torch.Tensor, block, panels: int) -> None:

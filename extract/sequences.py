@@ -74,73 +74,83 @@ class WindowMeasures:
         if meta is None:
             meta = np.full((M, 3), -1, dtype=np.int64)
         by_place = np.lexsort((meta[:, 1], meta[:, 0]))  # (M,) rows by (document, position)
-        self._batch = (to(win), n_windows, to(same), starts, ends, to(meta.astype(np.int64)), to(by_place))
+        self._batch = (to(win), n_windows, to(same), starts, ends, to(meta.astype(np.int64)), to(by_place),
+                       to(successors(M)))
 
-    def add(self, layer: int, h: torch.Tensor, ok: torch.Tensor, m: torch.Tensor, n_w: torch.Tensor) -> None:
-        """h: (M, d) raw rows, zero where not ok; ok: (M,) bool; m: (B, d) float64 Σh per window;
-        n_w: (B,) vectors per window.  The caller must not modify them afterwards."""
+    def add(self, layer: int, h: torch.Tensor, ok: torch.Tensor, m: torch.Tensor, n_w: torch.Tensor,
+            terms: tuple[torch.Tensor, ...] | None = None, sel: torch.Tensor | None = None) -> None:
+        """h: (M, d) raw rows, zero where not ok — or, with `sel` (M,), the rows h[sel] (h (N, d), e.g.
+        the layer's hidden states flattened: only the few rows needed are gathered, unmasked: they
+        are masked here); ok: (M,) bool; m: (B, d) float64 Σh per window; n_w: (B,) vectors per
+        window; terms: `row_terms` of the rows where the token-sum pass computed them already (then
+        the M rows are not read again here, except by prompt entropy), else computed here.  The
+        caller must not modify them afterwards."""
         dev = self._dev  # the accumulators' device (--accumulator-device may differ from the model's)
-        args = (layer, h.to(dev), ok.to(dev), m.to(dev), n_w.to(dev), self._batch)
+        if terms is not None:
+            terms = tuple(t.to(dev) for t in terms)
+        args = (layer, h.to(dev), ok.to(dev), m.to(dev), n_w.to(dev), self._batch, terms,
+                None if sel is None else sel.to(dev))
         if self._worker is None:
             self._add(*args)
         else:
-            self._worker.submit(self._add, *args, nbytes=h.numel() * h.element_size())
+            nbytes = h.numel() * h.element_size() if sel is None else len(ok) * 32
+            self._worker.submit(self._add, *args, nbytes=nbytes)
 
-    def _add(self, layer, h, ok, m, n_w, batch) -> None:
-        win, B, same, starts, ends, meta, by_place = batch
-        M, d = h.shape
+    def _add(self, layer, h, ok, m, n_w, batch, terms=None, sel=None) -> None:
+        win, B, same, starts, ends, meta, by_place, nxt = batch
+        M, d = len(ok), h.shape[1]
         if M == 0:  # a batch without a counted position
             return
+
+        def rows(idx):  # (k, d) the counted rows idx, zero where not ok, in h's dtype
+            r = h.index_select(0, idx if sel is None else sel.index_select(0, idx))
+            return r if sel is None else r.masked_fill(~ok.index_select(0, idx).unsqueeze(1), 0)
+
+        if terms is None:  # the rows' own pass (callers without the token-sum pass's terms)
+            terms = row_terms(torch.where(ok.unsqueeze(1), h.to(torch.float64), 0.0), nxt)
+        abs_sum, row_max, nv2, dot = terms  # (M,) each, float64
         # sequence representations
         has = n_w > 0  # (B,)
         z_mean = m / n_w.clamp(min=1).unsqueeze(1).to(torch.float64)  # (B, d) float64
         z_mean = z_mean.masked_fill(~has.unsqueeze(1), 0)
-        idx = torch.where(ok, torch.arange(M, device=h.device), -1)
-        last = torch.full((B,), -1, dtype=torch.int64, device=h.device).scatter_reduce_(0, win, idx, "amax")
-        z_last = h.index_select(0, last.clamp(min=0)).masked_fill(~has.unsqueeze(1), 0)  # (B, d)
+        idx = torch.where(ok, torch.arange(M, device=ok.device), -1)
+        last = torch.full((B,), -1, dtype=torch.int64, device=ok.device).scatter_reduce_(0, win, idx, "amax")
+        z_last = rows(last.clamp(min=0)).masked_fill(~has.unsqueeze(1), 0)  # (B, d)
         norm = torch.linalg.vector_norm(z_mean, dim=1)  # (B,)
         unit = has & (norm > 0)
         z_hat = torch.where(unit.unsqueeze(1), z_mean / norm.clamp_min(1e-300).unsqueeze(1), 0.0)
         self.pooled["mean"].add(layer, z_mean, has)
         self.pooled["last"].add(layer, z_last, has)
         self.pooled["normalized"].add(layer, z_hat, unit)
-        # massive activations: Σ|h|, and the top-k entries in the order (|h| desc, document, position,
-        # dim).  They lie in the first k rows by (max |h| desc, document, position): a row after
-        # those has k rows before it whose maxima come before each of its entries — ties included.
-        a = h.abs()  # (M, d)
-        # Each row's Σ|h| in float32 (float64 rows: float64), never in a bf16/fp16 row's own dtype: rounding a
-        # row's sum to bf16 (8 bits) made the total depend on the summation order (a GPU's: 1 ulp, 7e-6)
-        acc = torch.float64 if h.dtype == torch.float64 else torch.float32
-        self.sum_abs[layer] += a.sum(1, dtype=acc).sum(dtype=torch.float64)  # (M,) → float64
+        # massive activations: Σ|h| (float64 row sums of the exact float64 rows), and the top-k entries
+        # in the order (|h| desc, document, position, dim).  They lie in the first k rows by (max |h|
+        # desc, document, position): a row after those has k rows before it whose maxima come before
+        # each of its entries — ties included.
+        self.sum_abs[layer] += abs_sum.sum()
         kk = min(self.k, M)
-        rowmax = a.amax(1).index_select(0, by_place)  # (M,) in (document, position) order
-        rows = by_place[torch.argsort(rowmax, descending=True, stable=True)[:kk]]  # (kk,)
-        val = torch.cat([self.top_val[layer], a.index_select(0, rows).reshape(-1).to(torch.float64)])
-        dim = torch.cat([self.top_dim[layer], torch.arange(d, device=h.device).repeat(kk)])
-        met = torch.cat([self.top_meta[layer], meta.index_select(0, rows).repeat_interleave(d, 0)])
+        rowmax = row_max.index_select(0, by_place)  # (M,) in (document, position) order
+        top = by_place[torch.argsort(rowmax, descending=True, stable=True)[:kk]]  # (kk,)
+        val = torch.cat([self.top_val[layer], rows(top).abs().reshape(-1).to(torch.float64)])
+        dim = torch.cat([self.top_dim[layer], torch.arange(d, device=ok.device).repeat(kk)])
+        met = torch.cat([self.top_meta[layer], meta.index_select(0, top).repeat_interleave(d, 0)])
         keep = _top_order(val, met, dim)[: self.k]
         self.top_val[layer], self.top_dim[layer], self.top_meta[layer] = val[keep], dim[keep], met[keep]
-        # curvature: v_k = h_{k+1} − h_k within a window, both vectors ok.  In float32 (v exact for
-        # bf16/fp16 rows, one rounding for float32 rows; dot products summed pairwise over d): cos to
-        # ~1e-7, at 2.3 ms against 5.7 for float64 rows (M 4,096, d 512; docs/measures.md)
+        # curvature: v_k = h_{k+1} − h_k within a window, both vectors ok; ‖v_k‖² and ⟨v_{k+1}, v_k⟩ in
+        # float64 from `row_terms` (rows k of the (M,) terms; the last one or two rows are padding)
         if M >= 3:
-            hf = h if h.dtype in (torch.float32, torch.float64) else h.float()
-            v = hf[1:] - hf[:-1]  # (M − 1, d)
-            v_ok = same & ok[1:] & ok[:-1]
-            nv = torch.linalg.vecdot(v, v, dim=1).to(torch.float64).sqrt()  # (M − 1,)
-            v_ok = v_ok & (nv > 0)
+            nv = nv2[: M - 1].sqrt()  # (M − 1,)
+            v_ok = same & ok[1:] & ok[:-1] & (nv > 0)
             pair = v_ok[1:] & v_ok[:-1]  # (M − 2,) consecutive velocities of one window
-            dot = torch.linalg.vecdot(v[1:], v[:-1], dim=1).to(torch.float64)
-            cos = dot.abs() / (nv[1:] * nv[:-1]).clamp_min(1e-300)
+            cos = dot[: M - 2].abs() / (nv[1:] * nv[:-1]).clamp_min(1e-300)
             c = torch.where(pair, torch.arccos(cos.clamp(max=1.0)), 0.0)  # (M − 2,)
             w = win[1:-1]  # the window of pair (k, k + 1): that of row k + 1
-            c_sum = torch.zeros(B, dtype=torch.float64, device=h.device).index_add_(0, w, c)
-            c_n = torch.zeros(B, dtype=torch.int64, device=h.device).index_add_(0, w, pair.long())
+            c_sum = torch.zeros(B, dtype=torch.float64, device=ok.device).index_add_(0, w, c)
+            c_n = torch.zeros(B, dtype=torch.int64, device=ok.device).index_add_(0, w, pair.long())
             valid = c_n > 0
             self.curv_sum[layer] += torch.where(valid, c_sum / c_n.clamp(min=1), 0.0).sum()
             self.curv_windows[layer] += valid.sum()
         if self.prompt_entropy:
-            self._prompt_entropy(layer, h, ok, starts, ends)
+            self._prompt_entropy(layer, rows(torch.arange(M, device=ok.device)), ok, starts, ends)
 
     def _prompt_entropy(self, layer, h, ok, starts, ends) -> None:
         """One eigendecomposition per window with ≥ 2 vectors (float64, on the CPU)."""
@@ -187,6 +197,28 @@ class WindowMeasures:
         return {"rank": list(range(1, int(keep.sum()) + 1)), "abs_value": val[keep].tolist(),
                 "dim": self.top_dim[layer].cpu().numpy()[keep].tolist(), "token_id": meta[:, 2].tolist(),
                 "document": meta[:, 0].tolist(), "position": meta[:, 1].tolist()}
+
+
+def successors(M: int) -> np.ndarray:
+    """(M,) each row's successor for `row_terms`: k + 1, the last row itself."""
+    return np.minimum(np.arange(1, M + 1), max(M - 1, 0))
+
+
+def row_terms(x: torch.Tensor, nxt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What the per-window measures need of a batch's rows, in one pass over them: x (n, d) float64
+    rows (zero where not counted), nxt (n,) each row's successor (`successors`; a row whose successor
+    is itself gets v = 0).  Returns (n,) each, float64: Σ_i |x_i| and max_i |x_i| of each row, and
+    with v_k = x_nxt(k) − x_k the curvature's ‖v_k‖² and ⟨v_nxt(k), v_k⟩.
+
+    One function for every path: the CPU's token-sum pass calls it on each cache-resident float64
+    chunk of rows it has just upcast (`TokenSums._add_chunked`, chunks overlapping by two rows), the
+    compiled `layer_step` on the masked float64 rows it forms anyway (gathered by index, so inductor
+    fuses the upcast, the gather and the reductions and no (M, d) float64 tensor is written), and
+    `WindowMeasures` on rows it is given without them.  Successors are an index rather than a slice:
+    slicing a size the compiler marks unbacked fails to compile (a data-dependent guard)."""
+    v = x.index_select(0, nxt) - x  # (n, d) velocities, exact for bf16/float16/float32 rows
+    return (torch.linalg.vector_norm(x, 1, dim=1), torch.linalg.vector_norm(x, float("inf"), dim=1),
+            torch.linalg.vecdot(v, v, dim=1), torch.linalg.vecdot(v.index_select(0, nxt), v, dim=1))
 
 
 def _top_order(val: torch.Tensor, meta: torch.Tensor, dim: torch.Tensor) -> torch.Tensor:
