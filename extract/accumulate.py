@@ -64,7 +64,7 @@ import torch
 from isotropy_warehouse import faults
 from isotropy_warehouse.errors import UserError
 
-from .sequences import row_terms, successors
+from .sequences import chunk_terms, row_terms, successors
 
 try:
     import fcntl
@@ -345,6 +345,7 @@ class TokenSums:
         counts = ok.long()
         return counts, torch.zeros(n_win, dtype=torch.int64, device=ok.device).index_add_(0, win, counts)
 
+    WINDOW_TERMS = True  # the CPU path: the per-window measures' `row_terms` from its chunks (else theirs)
     CHUNK = 512  # rows per step of the CPU path: its float64 temporaries (2 MiB at d 512) stay in cache
 
     def _add_chunked(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
@@ -363,7 +364,7 @@ class TokenSums:
         u2 = torch.zeros(d, dtype=f64)  # Σû² per dimension
         S = self.sums[layer]
         finites, oks, excluded = [], [], False  # per chunk: its finite rows, its finite non-zero rows (c,)
-        terms = [] if self.extra is not None else None  # per chunk: `row_terms` of its rows
+        terms = [] if self.extra is not None and self.WINDOW_TERMS else None  # per chunk: `row_terms` of its rows
         for a in range(0, M, self.CHUNK):
             b = min(a + self.CHUNK, M)
             o = 2 if terms is not None and a > 0 else 0  # the per-window terms: 2 rows of the previous chunk
@@ -380,7 +381,7 @@ class TokenSums:
                 x.masked_fill_(~ok.unsqueeze(1), 0)
                 inv = torch.where(ok, inv, 0.0)
             if terms is not None:  # the per-window measures' terms from the rows in cache (before û)
-                terms.append(_chunk_terms(xe, o, b == M))
+                terms.append(chunk_terms(xe, o, b == M))
             m.index_add_(0, win[a:b], x)
             x.mul_(inv.unsqueeze(1))  # û
             u.index_add_(0, win[a:b], x)
@@ -396,7 +397,7 @@ class TokenSums:
         if self.moments is not None:
             self.moments.add(layer, h, ok)
         if self.extra is not None:
-            self.extra.add(layer, h, ok, m, n_w, terms=tuple(torch.cat(t) for t in zip(*terms)))
+            self.extra.add(layer, h, ok, m, n_w, terms=None if terms is None else tuple(torch.cat(t) for t in zip(*terms)))
 
     def _segment_add(self, layer: int, h: torch.Tensor, x: torch.Tensor, counts: torch.Tensor,
                      n_w: torch.Tensor) -> torch.Tensor:
@@ -482,19 +483,6 @@ def window_sums(h: torch.Tensor, norm: torch.Tensor, x: torch.Tensor, ok: torch.
     E[win + n_win, cols] = ok.to(torch.float64)
     mu = E @ x  # (2B, d)
     return mu[:n_win], mu[n_win:]
-
-
-def _chunk_terms(xe: torch.Tensor, o: int, last: bool) -> tuple[torch.Tensor, ...]:
-    """`row_terms` of one chunk of the CPU path, xe (o + c, d): the chunk's c rows after o (0 or 2)
-    rows of the previous chunk, so that the velocities and dot products across the boundary are
-    computed here.  Returns the pieces that, concatenated over the chunks, are `row_terms` of all
-    M rows: Σ|x|, max|x| of the c rows; ‖v‖² of the pairs from the row before the chunk's first on,
-    ⟨v', v⟩ from two rows before; the chunk's own last one or two (padding) rows only in the last chunk.
-    The previous chunk's rows are not masked (a pair with an excluded row is dropped by its mask)."""
-    n = len(xe)
-    abs_sum, row_max, nv2, dot = row_terms(xe, torch.from_numpy(successors(n)))
-    return (abs_sum[o:], row_max[o:], nv2[max(o - 1, 0): n if last else n - 1],
-            dot[: n if last else max(n - 2, 0)])
 
 
 def slow_path(paths: dict, key: str, value: str, message: str) -> None:

@@ -36,6 +36,8 @@ POOLINGS = ("mean", "last", "normalized")
 class WindowMeasures:
     """Sequence moments, curvature, prompt entropy, massive activations of every layer."""
 
+    CHUNK = 512  # rows per float64 chunk where the row terms are computed here (`rows_terms`)
+
     def __init__(self, n_layers: int, d: int, device: torch.device | str, precision: str = "float32",
                  prompt_entropy: bool = False, top_k: int = 10, worker=None):
         from .accumulate import Moments
@@ -74,8 +76,7 @@ class WindowMeasures:
         if meta is None:
             meta = np.full((M, 3), -1, dtype=np.int64)
         by_place = np.lexsort((meta[:, 1], meta[:, 0]))  # (M,) rows by (document, position)
-        self._batch = (to(win), n_windows, to(same), starts, ends, to(meta.astype(np.int64)), to(by_place),
-                       to(successors(M)))
+        self._batch = (to(win), n_windows, to(same), starts, ends, to(meta.astype(np.int64)), to(by_place))
 
     def add(self, layer: int, h: torch.Tensor, ok: torch.Tensor, m: torch.Tensor, n_w: torch.Tensor,
             terms: tuple[torch.Tensor, ...] | None = None, sel: torch.Tensor | None = None) -> None:
@@ -97,7 +98,7 @@ class WindowMeasures:
             self._worker.submit(self._add, *args, nbytes=nbytes)
 
     def _add(self, layer, h, ok, m, n_w, batch, terms=None, sel=None) -> None:
-        win, B, same, starts, ends, meta, by_place, nxt = batch
+        win, B, same, starts, ends, meta, by_place = batch
         M, d = len(ok), h.shape[1]
         if M == 0:  # a batch without a counted position
             return
@@ -107,8 +108,8 @@ class WindowMeasures:
             return r if sel is None else r.masked_fill(~ok.index_select(0, idx).unsqueeze(1), 0)
 
         if terms is None:  # the rows' own pass (callers without the token-sum pass's terms)
-            terms = row_terms(torch.where(ok.unsqueeze(1), h.to(torch.float64), 0.0), nxt)
-        abs_sum, row_max, nv2, dot = terms  # (M,) each, float64
+            terms = rows_terms(h, ok, self.CHUNK)
+        abs_sum, row_max, nv, dot = terms  # (M,) each, float64
         # sequence representations
         has = n_w > 0  # (B,)
         z_mean = m / n_w.clamp(min=1).unsqueeze(1).to(torch.float64)  # (B, d) float64
@@ -138,7 +139,7 @@ class WindowMeasures:
         # curvature: v_k = h_{k+1} − h_k within a window, both vectors ok; ‖v_k‖² and ⟨v_{k+1}, v_k⟩ in
         # float64 from `row_terms` (rows k of the (M,) terms; the last one or two rows are padding)
         if M >= 3:
-            nv = nv2[: M - 1].sqrt()  # (M − 1,)
+            nv = nv[: M - 1]  # (M − 1,) ‖v_k‖
             v_ok = same & ok[1:] & ok[:-1] & (nv > 0)
             pair = v_ok[1:] & v_ok[:-1]  # (M − 2,) consecutive velocities of one window
             cos = dot[: M - 2].abs() / (nv[1:] * nv[:-1]).clamp_min(1e-300)
@@ -204,21 +205,69 @@ def successors(M: int) -> np.ndarray:
     return np.minimum(np.arange(1, M + 1), max(M - 1, 0))
 
 
-def row_terms(x: torch.Tensor, nxt: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def row_terms(x: torch.Tensor, nxt: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """What the per-window measures need of a batch's rows, in one pass over them: x (n, d) float64
-    rows (zero where not counted), nxt (n,) each row's successor (`successors`; a row whose successor
-    is itself gets v = 0).  Returns (n,) each, float64: Σ_i |x_i| and max_i |x_i| of each row, and
-    with v_k = x_nxt(k) − x_k the curvature's ‖v_k‖² and ⟨v_nxt(k), v_k⟩.
+    rows (zero where not counted); nxt (n,) each row's successor (`successors`), or None for the next
+    row (the last: itself, v = 0).  Returns (n,) each, float64: Σ_i |x_i| and max_i |x_i| of each row,
+    and with v_k = x_nxt(k) − x_k the curvature's ‖v_k‖ and ⟨v_nxt(k), v_k⟩ (0 in the padding rows).
 
     One function for every path: the CPU's token-sum pass calls it on each cache-resident float64
     chunk of rows it has just upcast (`TokenSums._add_chunked`, chunks overlapping by two rows), the
     compiled `layer_step` on the masked float64 rows it forms anyway (gathered by index, so inductor
     fuses the upcast, the gather and the reductions and no (M, d) float64 tensor is written), and
-    `WindowMeasures` on rows it is given without them.  Successors are an index rather than a slice:
-    slicing a size the compiler marks unbacked fails to compile (a data-dependent guard)."""
-    v = x.index_select(0, nxt) - x  # (n, d) velocities, exact for bf16/float16/float32 rows
-    return (torch.linalg.vector_norm(x, 1, dim=1), torch.linalg.vector_norm(x, float("inf"), dim=1),
-            torch.linalg.vecdot(v, v, dim=1), torch.linalg.vecdot(v.index_select(0, nxt), v, dim=1))
+    `WindowMeasures` on rows it is given without them.  The compiled step gives `nxt`: slicing a
+    size the compiler marks unbacked fails to compile (a data-dependent guard); eager, slices (the
+    same values without two gathers).  The reductions chosen are the fast ones on a CPU (float64, 514
+    × 512 rows, one thread, Xeon: max(amax, −amin) 0.10 ms against 0.68 for the ∞-norm; the 2-norm
+    of v 0.05 ms against 0.21 for its vecdot)."""
+    n = x.shape[0]
+    if nxt is None:
+        v = torch.empty_like(x)
+        torch.sub(x[1:], x[:-1], out=v[: n - 1])  # (n, d) velocities, exact for bf16/float16/float32 rows
+        v[n - 1:].zero_()
+        dot = torch.zeros(n, dtype=x.dtype, device=x.device)
+        dot[: max(n - 2, 0)] = torch.linalg.vecdot(v[1: n - 1], v[: max(n - 2, 0)], dim=1)
+    else:
+        v = x.index_select(0, nxt) - x
+        dot = torch.linalg.vecdot(v.index_select(0, nxt), v, dim=1)
+    return (torch.linalg.vector_norm(x, 1, dim=1), torch.maximum(x.amax(1), -x.amin(1)),
+            torch.linalg.vector_norm(v, dim=1), dot)
+
+
+def chunk_terms(xe: torch.Tensor, o: int, last: bool, block: int = 128) -> tuple[torch.Tensor, ...]:
+    """`row_terms` of one chunk of rows, xe (o + c, d) float64: the chunk's c rows after o (0 or 2)
+    rows of the previous chunk, so that the velocities and dot products across the boundary are
+    computed here.  Returns the pieces that, concatenated over the chunks, are `row_terms` of all
+    M rows: Σ|x|, max|x| of the c rows; ‖v‖ of the pairs from the row before the chunk's first on,
+    ⟨v', v⟩ from two rows before; the chunk's own last one or two (padding) rows only in the last chunk.
+    The previous chunk's rows need not be masked (a pair with an excluded row is dropped by its mask).
+    Done `block` rows at a time (overlapping by two the same way), so that the velocities (block, d)
+    stay in the core's cache beside the chunk: 514 × 512 rows in blocks of 128 take 0.57 ms against
+    0.81 in one (float64, one thread, Xeon with 2 MiB of L2 per core)."""
+    n = len(xe)
+    pieces = []
+    for s in range(o, n, block):
+        e = min(s + block, n)
+        so = 2 if s > 0 else 0
+        abs_sum, row_max, nv, dot = row_terms(xe[s - so:e])
+        k, end = e - s + so, last and e == n
+        pieces.append((abs_sum[so:], row_max[so:], nv[max(so - 1, 0): k if end else k - 1],
+                       dot[: k if end else max(k - 2, 0)]))
+    return tuple(torch.cat(t) for t in zip(*pieces)) if len(pieces) > 1 else pieces[0]
+
+
+def rows_terms(h: torch.Tensor, ok: torch.Tensor, chunk: int = 512) -> tuple[torch.Tensor, ...]:
+    """`row_terms` of rows h (M, d) in any float dtype, those not ok taken as zero, computed `chunk`
+    rows at a time on a float64 copy of each chunk (cache-sized: no (M, d) float64 tensor)."""
+    M = len(h)
+    out = []
+    for a in range(0, M, chunk):
+        b = min(a + chunk, M)
+        o = 2 if a > 0 else 0
+        xe = h[a - o:b].to(torch.float64, copy=True)  # (o + c, d) exact upcast
+        xe.masked_fill_(~ok[a - o:b].unsqueeze(1), 0)
+        out.append(chunk_terms(xe, o, b == M))
+    return tuple(torch.cat(t) for t in zip(*out))
 
 
 def _top_order(val: torch.Tensor, meta: torch.Tensor, dim: torch.Tensor) -> torch.Tensor:

@@ -156,13 +156,14 @@ def assert_windows_equal_definition(wm: WindowMeasures, want, L: int, rtol: floa
             assert np.allclose(mo.s2(layer), s2, rtol=rtol, atol=rtol * np.abs(s2).max())
 
 
-def test_window_terms_from_the_token_sum_pass_equal_the_float64_definition():
+def test_window_terms_from_the_token_sum_pass_equal_the_float64_definition(monkeypatch):
     """--sequences on the CPU: the per-window measures take Σ|h|, the row maxima and the curvature's
-    ‖v‖² and ⟨v', v⟩ from the token-sum pass's float64 chunks (chunks of 7 rows here, so that pairs
-    and triples span chunk boundaries) instead of reading the rows again: equal to the float64
+    ‖v‖² and ⟨v', v⟩ from the token-sum pass's float64 chunks (chunks of 7 rows in blocks of 3 here, so
+    that pairs and triples span their boundaries) instead of reading the rows again: equal to the float64
     definition to 1e-12 (n exact, the top-k identical), as are the path that computes them from the
     rows (the segment scatter) — and the token sums, window sums and counts are bit-identical to a
     pass without the per-window measures."""
+    from extract import sequences
     from extract.accumulate import TokenSums
 
     L, V, d = 2, 50, 8
@@ -172,8 +173,10 @@ def test_window_terms_from_the_token_sum_pass_equal_the_float64_definition():
             (("chunked", "atomic"), ("rows", "segment"), ("bare", "atomic"))}
     accs["chunked"].CHUNK = 7
     accs["bare"].CHUNK = 7
+    monkeypatch.setattr(sequences.chunk_terms, "__defaults__", (3,))  # blocks of 3 rows inside the chunks
     for name in ("chunked", "rows"):
         accs[name].extra = WindowMeasures(L, d, "cpu", top_k=5)
+        accs[name].extra.CHUNK = 7
     for acc in accs.values():
         feed_windows(acc, batches, L)
     want = window_definition(batches, L, d, 5)
