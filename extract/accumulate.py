@@ -64,7 +64,7 @@ import torch
 from isotropy_warehouse import faults
 from isotropy_warehouse.errors import UserError
 
-from .sequences import chunk_terms, row_terms, successors
+from .sequences import chunk_terms, row_terms
 
 try:
     import fcntl
@@ -108,7 +108,7 @@ class TokenSums:
         self.windows = torch.zeros(n_layers, dtype=torch.int64, device=self.device)  # windows with ≥ 2 vectors
         self.window_cos = torch.zeros(n_layers, dtype=torch.float64, device=self.device)  # Σ_w mean cos(h, m_w)
         self._batch = None
-        self._nxt = None  # (M,) the counted rows' successors (`set_batch`, compiled step with `extra`)
+        self._nxt = None  # (B·T,) the positions' next counted positions (`set_batch`, compiled step with `extra`)
         # On a GPU, a few compiled kernels per layer (norm; scale + scatter-add; per-window
         # reductions) instead of ~15 eager ones, the float64 û never written to memory: `layer_step`.
         use = self.device.type == "cuda" and not self.fold_partials and not self.segment if fused is None else fused
@@ -245,8 +245,11 @@ class TokenSums:
                          torch.arange(len(sel_np), device=self.device),
                          self._h2d(np.bincount(win_np, minlength=B)))
         self._counted = self._h2d(counted) if self._fused is not None else None
-        # the counted rows' successors, for the per-window measures' terms in the compiled step
-        self._nxt = self._h2d(successors(len(sel_np))) if self._fused is not None and self.extra is not None else None
+        self._nxt = None  # for the per-window measures' terms in the compiled step: each counted
+        if self._fused is not None and self.extra is not None:  # position's next one (the last and the others: themselves)
+            nxt = np.arange(B * T)
+            nxt[sel_np[:-1]] = sel_np[1:]
+            self._nxt = self._h2d(nxt)
         if self.segment:  # the batch's rows sorted by slot once; per layer, segment sums over the runs
             order = np.argsort(slots, kind="stable")  # (M,)
             uniq, lengths = np.unique(slots[order], return_counts=True)  # (U,), (U,)
@@ -539,8 +542,14 @@ def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hi
     Σh per window (B, d), Σû per window (B, d), vectors per window (B,), Σû² (d,)) as device
     tensors: no sync.  Compiled, the upcast, scaling and masking fuse into the reductions and the
     scatter-add, so no (B, T, d) float64 tensor is materialised; eager, it is the same arithmetic.
-    With `nxt` (M,) (the counted rows' successors, `--sequences`): also `row_terms` of the counted
-    rows (float64, masked), the per-window measures' (M,) terms, from the same upcast rows."""
+    With `nxt` (B·T,) (each counted position's next counted position, `--sequences`): also the
+    per-window measures' `row_terms` of the counted rows (float64, masked; (M,) each).
+
+    The reductions are written in two shapes, so that a compiler that makes one kernel per shape
+    (Triton: per (outputs, reduction length)) reads h in as few kernels as it can: per position, over
+    d — the norm and the row terms (the successor rows by index: neighbouring rows) — and per
+    window, over T — Σh, Σû and Σû² (taken per window, then over the B windows: a reduction over
+    all B·T rows at once would be a third shape, another pass over h)."""
     d = hidden.shape[-1]
     norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float64)  # (B, T)
     finite = norm.isfinite()
@@ -551,10 +560,10 @@ def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hi
     sums.index_add_(0, index, x.reshape(-1, d).index_select(0, sel))
     counts.index_add_(0, index, ok.reshape(-1).index_select(0, sel).long())
     out = ((counted & ~finite).sum(), (counted & finite & (norm == 0)).sum(), ok,
-           hm.sum(1), x.sum(1), ok.sum(1), (x * x).sum((0, 1)))
+           hm.sum(1), x.sum(1), ok.sum(1), (x * x).sum(1).sum(0))
     if nxt is None:
         return out
-    return out + row_terms(hm.reshape(-1, d).index_select(0, sel), nxt)
+    return out + tuple(t.index_select(0, sel) for t in row_terms(hm.reshape(-1, d), nxt))
 
 
 def _add_gram_upper(S: torch.Tensor, block, panels: int) -> None:

@@ -200,21 +200,17 @@ class WindowMeasures:
                 "document": meta[:, 0].tolist(), "position": meta[:, 1].tolist()}
 
 
-def successors(M: int) -> np.ndarray:
-    """(M,) each row's successor for `row_terms`: k + 1, the last row itself."""
-    return np.minimum(np.arange(1, M + 1), max(M - 1, 0))
-
-
 def row_terms(x: torch.Tensor, nxt: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """What the per-window measures need of a batch's rows, in one pass over them: x (n, d) float64
-    rows (zero where not counted); nxt (n,) each row's successor (`successors`), or None for the next
-    row (the last: itself, v = 0).  Returns (n,) each, float64: Σ_i |x_i| and max_i |x_i| of each row,
+    rows (zero where not counted); nxt (n,) each row's successor (a row that has none: itself, v = 0),
+    or None for the next row (the last: itself).  Returns (n,) each, float64: Σ_i |x_i| and max_i |x_i| of each row,
     and with v_k = x_nxt(k) − x_k the curvature's ‖v_k‖ and ⟨v_nxt(k), v_k⟩ (0 in the padding rows).
 
     One function for every path: the CPU's token-sum pass calls it on each cache-resident float64
     chunk of rows it has just upcast (`TokenSums._add_chunked`, chunks overlapping by two rows), the
-    compiled `layer_step` on the masked float64 rows it forms anyway (gathered by index, so inductor
-    fuses the upcast, the gather and the reductions and no (M, d) float64 tensor is written), and
+    compiled `layer_step` on the masked float64 rows it forms anyway (all B·T positions, each
+    counted one's successor the next counted position: the reductions per position over d that the
+    norm makes, the upcast fused into them, no float64 tensor written), and
     `WindowMeasures` on rows it is given without them.  The compiled step gives `nxt`: slicing a
     size the compiler marks unbacked fails to compile (a data-dependent guard); eager, slices (the
     same values without two gathers).  The reductions chosen are the fast ones on a CPU (float64, 514
