@@ -4,7 +4,8 @@ the variants interleaved batch by batch in one process so that a shared machine'
 alike.  No model: random hidden states, the token sums' CPU path (`TokenSums._add_chunked`),
 `WindowMeasures` inline without moments (no background thread: the time is all the work) or, with
 `--moments`, on the moments' background thread (then the time is the wall time until all is done).
-Prints min and median ms per batch and layer.
+Prints min and median ms per batch and layer, and the median of minor page faults per batch
+(fresh pages for large temporaries: what differs between interleaved and separate runs).
 
     git archive be39a7c extract | tar -x -C /tmp/old
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_window_terms.py --old /tmp/old --batch 8 --seq 512
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import resource
 import statistics
 import sys
 import time
@@ -61,7 +63,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, d {d}, B×T {B}×{T}, "
           f"M {int(counted.sum())}, {L} layers, {a.dtype}{', moments on their thread' if a.moments else ''}, "
           f"{a.reps} batches each, interleaved")
-    pkgs = [("new", extract)] + ([("old", _load_old(a.old))] if a.old else [])
+    pkgs = [("current", extract)] + ([("old", _load_old(a.old))] if a.old else [])  # current: extract/ on PYTHONPATH
     variants = []  # (name, accumulator)
     for tag, pkg in pkgs:
         for kind in ("token sums alone", "+ --sequences", "+ --sequences, terms in their own pass"):
@@ -76,9 +78,10 @@ def main() -> None:
                                                          worker=acc.moments._worker if a.moments else None)
             if "own pass" in kind:
                 acc.WINDOW_TERMS = False
-            variants.append((f"{tag}: {kind}", acc, []))
+            variants.append((f"{tag}: {kind}", acc, [], []))
     for rep in range(a.reps + 3):
-        for name, acc, times in variants:
+        for name, acc, times, faults in variants:
+            f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = time.perf_counter()
             acc.set_batch(ids, counted, where)
             for layer in range(L):
@@ -90,8 +93,10 @@ def main() -> None:
             float(acc.sum_h.sum())
             if rep >= 3:
                 times.append((time.perf_counter() - t) * 1e3 / L)
-    for name, acc, times in variants:
-        print(f"{name:48s} min {min(times):7.2f}  median {statistics.median(times):7.2f} ms per batch and layer")
+                faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f)
+    for name, acc, times, faults in variants:
+        print(f"{name:52s} min {min(times):7.2f}  median {statistics.median(times):7.2f} ms per batch and layer; "
+              f"{statistics.median(faults):6.0f} page faults per batch (median)")
         acc.close()
 
 

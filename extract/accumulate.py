@@ -348,7 +348,7 @@ class TokenSums:
         counts = ok.long()
         return counts, torch.zeros(n_win, dtype=torch.int64, device=ok.device).index_add_(0, win, counts)
 
-    WINDOW_TERMS = True  # the CPU path: the per-window measures' `row_terms` from its chunks (else theirs)
+    WINDOW_TERMS = True  # the CPU path: the per-window measures' `row_terms` from its chunks (False: their own pass)
     CHUNK = 512  # rows per step of the CPU path: its float64 temporaries (2 MiB at d 512) stay in cache
 
     def _add_chunked(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
@@ -358,7 +358,10 @@ class TokenSums:
         the chunk: one upcast per row instead of three (the norm's, the product's and Σh's type
         promotions each upcast all M rows) and no (M, d) float64 temporary, so each pass reads
         cache instead of memory.  Measured (M 4,096, d 512, 2-core Zen 2): 4.7 ms against 17.2 ms
-        per layer and batch.  h: (M, d) the counted rows, index: (M,) their slots."""
+        per layer and batch.  With `extra` (--sequences) the per-window measures' `row_terms` are
+        taken from the same chunks (each chunk upcast with the previous chunk's last two rows, for
+        the velocities across the boundary), so WindowMeasures does not read the rows again
+        (`WINDOW_TERMS`; docs/performance.md, session 17).  h: (M, d) the counted rows, index: (M,) their slots."""
         M, d = h.shape
         win, n_win, _, n_w = self._windows
         f64 = torch.float64

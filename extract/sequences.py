@@ -15,12 +15,17 @@ Everything stored is a sum or a top-k, so shards, sources and machines merge:
 * prompt entropy (`prompt_entropy=True`): per window with N ≥ 2 vectors, Z = the vectors minus
   their mean, rows L2-normalised (zero rows dropped), p = eig(ZZᵀ)/Σ, H(p)/log(min(N, d)): its sum
   and count (one eigendecomposition per window and layer: the cost is why it is opt-in);
-* massive activations: Σ|h| over every counted vector and dimension (rows in float32, then float64),
-  and the top-k |h| with the
-  dimension, token, document and position where each occurs.
+* massive activations: Σ|h| over every counted vector and dimension (float64), and the top-k |h|
+  with the dimension, token, document and position where each occurs.
 
-Cost per batch and layer: O(M·d) elementwise float64 (curvature, Σ|h|, the row maxima for the
-top-k) plus three (B × d)ᵀ(B × d) products; memory O(M·d) transient and 3·(d² + d) float64 sums per
+What these need of the M rows is four numbers per row (`row_terms`: Σ|h|, max|h|, and the
+curvature's ‖v_k‖ and ⟨v_{k+1}, v_k⟩, float64).  The token-sum pass computes them from the float64
+rows it forms anyway — on the CPU from each cache-resident chunk (`TokenSums._add_chunked`), compiled
+(`layer_step`) in the norm's reduction over d — so the rows are not read again here: only the
+windows' last vectors and the top-k candidates' rows (B + k rows) are gathered, and prompt entropy
+(opt-in) reads its windows' rows.  Given rows without the terms, `add` computes them itself (same
+function, in float64 chunks).  Cost per batch and layer beyond the terms: O(M) (curvature's angles,
+the top-k's sort of the row maxima) plus three (B × d)ᵀ(B × d) products; 3·(d² + d) float64 sums per
 layer.  On a CPU the work queues to the moments' background thread (same order: bit-identical)."""
 
 from __future__ import annotations
