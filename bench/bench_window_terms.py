@@ -76,8 +76,8 @@ def main() -> None:
             if "sequences" in kind:
                 acc.extra = pkg.sequences.WindowMeasures(L, d, "cpu",
                                                          worker=acc.moments._worker if a.moments else None)
-            if "own pass" in kind:
-                acc.WINDOW_TERMS = False
+            if hasattr(TokenSums, "WINDOW_TERMS") and "sequences" in kind:  # fused, or not, whatever the thread
+                acc.WINDOW_TERMS = "own pass" not in kind
             variants.append((f"{tag}: {kind}", acc, [], []))
     for rep in range(a.reps + 3):
         for name, acc, times, faults in variants:

@@ -348,7 +348,10 @@ class TokenSums:
         counts = ok.long()
         return counts, torch.zeros(n_win, dtype=torch.int64, device=ok.device).index_add_(0, win, counts)
 
-    WINDOW_TERMS = True  # the CPU path: the per-window measures' `row_terms` from its chunks (False: their own pass)
+    # The CPU path: the per-window measures' `row_terms` from its chunks (True), or in WindowMeasures'
+    # own chunked pass (False); None: from the chunks unless WindowMeasures runs on the moments'
+    # background thread, where its own pass is off the forward's thread (docs/performance.md, session 17)
+    WINDOW_TERMS: bool | None = None
     CHUNK = 512  # rows per step of the CPU path: its float64 temporaries (2 MiB at d 512) stay in cache
 
     def _add_chunked(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
@@ -360,8 +363,8 @@ class TokenSums:
         cache instead of memory.  Measured (M 4,096, d 512, 2-core Zen 2): 4.7 ms against 17.2 ms
         per layer and batch.  With `extra` (--sequences) the per-window measures' `row_terms` are
         taken from the same chunks (each chunk upcast with the previous chunk's last two rows, for
-        the velocities across the boundary), so WindowMeasures does not read the rows again
-        (`WINDOW_TERMS`; docs/performance.md, session 17).  h: (M, d) the counted rows, index: (M,) their slots."""
+        the velocities across the boundary), so WindowMeasures does not read the rows again — unless
+        it runs on the moments' background thread (`WINDOW_TERMS`; docs/performance.md, session 17).  h: (M, d) the counted rows, index: (M,) their slots."""
         M, d = h.shape
         win, n_win, _, n_w = self._windows
         f64 = torch.float64
@@ -370,7 +373,9 @@ class TokenSums:
         u2 = torch.zeros(d, dtype=f64)  # Σû² per dimension
         S = self.sums[layer]
         finites, oks, excluded = [], [], False  # per chunk: its finite rows, its finite non-zero rows (c,)
-        terms = [] if self.extra is not None and self.WINDOW_TERMS else None  # per chunk: `row_terms` of its rows
+        fuse = self.extra is not None and (self.WINDOW_TERMS if self.WINDOW_TERMS is not None
+                                           else self.extra._worker is None)
+        terms = [] if fuse else None  # per chunk: `row_terms` of its rows
         for a in range(0, M, self.CHUNK):
             b = min(a + self.CHUNK, M)
             o = 2 if terms is not None and a > 0 else 0  # the per-window terms: 2 rows of the previous chunk

@@ -160,28 +160,36 @@ def test_window_terms_from_the_token_sum_pass_equal_the_float64_definition(monke
     """--sequences on the CPU: the per-window measures take Σ|h|, the row maxima and the curvature's
     ‖v‖² and ⟨v', v⟩ from the token-sum pass's float64 chunks (chunks of 7 rows in blocks of 3 here, so
     that pairs and triples span their boundaries) instead of reading the rows again: equal to the float64
-    definition to 1e-12 (n exact, the top-k identical), as are the path that computes them from the
-    rows (the segment scatter) — and the token sums, window sums and counts are bit-identical to a
-    pass without the per-window measures."""
+    definition to 1e-12 (n exact, the top-k identical), as are the paths that compute them in
+    WindowMeasures' own pass (the segment scatter; WindowMeasures on the moments' background thread)
+    — and the token sums, window sums and counts are bit-identical to a pass without the per-window
+    measures."""
     from extract import sequences
-    from extract.accumulate import TokenSums
+    from extract.accumulate import Moments, TokenSums
 
     L, V, d = 2, 50, 8
     gen = torch.Generator().manual_seed(11)
     batches = [windows_batch(B, T, V, d, gen) for B, T in ((3, 20), (1, 1), (2, 9), (5, 4), (1, 30))]
     accs = {name: TokenSums(L, V, d, "cpu", fused=False, scatter=scatter) for name, scatter in
-            (("chunked", "atomic"), ("rows", "segment"), ("bare", "atomic"))}
-    accs["chunked"].CHUNK = 7
-    accs["bare"].CHUNK = 7
+            (("chunked", "atomic"), ("rows", "segment"), ("thread", "atomic"), ("bare", "atomic"))}
     monkeypatch.setattr(sequences.chunk_terms, "__defaults__", (3,))  # blocks of 3 rows inside the chunks
-    for name in ("chunked", "rows"):
-        accs[name].extra = WindowMeasures(L, d, "cpu", top_k=5)
-        accs[name].extra.CHUNK = 7
+    accs["thread"].moments = Moments(L, d, "cpu", background=True)  # WindowMeasures on its thread: own pass
+    given = []
+    for name, acc in accs.items():
+        acc.CHUNK = 7
+        if name != "bare":
+            acc.extra = WindowMeasures(L, d, "cpu", top_k=5, worker=acc.moments._worker if acc.moments else None)
+            acc.extra.CHUNK = 7
+            real = acc.extra.add
+            acc.extra.add = lambda *a, real=real, name=name, **k: (given.append((name, k.get("terms") is not None)),
+                                                                  real(*a, **k))
     for acc in accs.values():
         feed_windows(acc, batches, L)
+    assert set(given) == {("chunked", True), ("rows", False), ("thread", False)}
     want = window_definition(batches, L, d, 5)
-    for name in ("chunked", "rows"):
+    for name in ("chunked", "rows", "thread"):
         assert_windows_equal_definition(accs[name].extra, want, L)
+    accs["thread"].close()
     bare, chunked = accs["bare"], accs["chunked"]
     for layer in range(L):
         assert all(torch.equal(a, b) for a, b in zip(bare.dense(layer), chunked.dense(layer)))
