@@ -246,8 +246,8 @@ class TokenSums:
                          self._h2d(np.bincount(win_np, minlength=B)))
         self._counted = self._h2d(counted) if self._fused is not None else None
         self._nxt = None  # for the per-window measures' terms in the compiled step: each counted
-        if self._fused is not None and self.extra is not None:  # position's next one (the last and the others: themselves)
-            nxt = np.arange(B * T)
+        if self._fused is not None and self.extra is not None:  # position's next one (else itself)
+            nxt = np.arange(B * T)  # (B·T,)
             nxt[sel_np[:-1]] = sel_np[1:]
             self._nxt = self._h2d(nxt)
         if self.segment:  # the batch's rows sorted by slot once; per layer, segment sums over the runs
@@ -364,7 +364,8 @@ class TokenSums:
         per layer and batch.  With `extra` (--sequences) the per-window measures' `row_terms` are
         taken from the same chunks (each chunk upcast with the previous chunk's last two rows, for
         the velocities across the boundary), so WindowMeasures does not read the rows again — unless
-        it runs on the moments' background thread (`WINDOW_TERMS`; docs/performance.md, session 17).  h: (M, d) the counted rows, index: (M,) their slots."""
+        it runs on the moments' background thread (`WINDOW_TERMS`; docs/performance.md, session 17).
+        h: (M, d) the counted rows, index: (M,) their slots."""
         M, d = h.shape
         win, n_win, _, n_w = self._windows
         f64 = torch.float64
@@ -408,7 +409,9 @@ class TokenSums:
         if self.moments is not None:
             self.moments.add(layer, h, ok)
         if self.extra is not None:
-            self.extra.add(layer, h, ok, m, n_w, terms=None if terms is None else tuple(torch.cat(t) for t in zip(*terms)))
+            if terms is not None:  # (M,) each, the chunks' pieces joined
+                terms = tuple(torch.cat(t) for t in zip(*terms))
+            self.extra.add(layer, h, ok, m, n_w, terms=terms)
 
     def _segment_add(self, layer: int, h: torch.Tensor, x: torch.Tensor, counts: torch.Tensor,
                      n_w: torch.Tensor) -> torch.Tensor:

@@ -141,7 +141,7 @@ class WindowMeasures:
         met = torch.cat([self.top_meta[layer], meta.index_select(0, top).repeat_interleave(d, 0)])
         keep = _top_order(val, met, dim)[: self.k]
         self.top_val[layer], self.top_dim[layer], self.top_meta[layer] = val[keep], dim[keep], met[keep]
-        # curvature: v_k = h_{k+1} − h_k within a window, both vectors ok; ‖v_k‖² and ⟨v_{k+1}, v_k⟩ in
+        # curvature: v_k = h_{k+1} − h_k within a window, both vectors ok; ‖v_k‖ and ⟨v_{k+1}, v_k⟩ in
         # float64 from `row_terms` (rows k of the (M,) terms; the last one or two rows are padding)
         if M >= 3:
             nv = nv[: M - 1]  # (M − 1,) ‖v_k‖
@@ -208,8 +208,9 @@ class WindowMeasures:
 def row_terms(x: torch.Tensor, nxt: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """What the per-window measures need of a batch's rows, in one pass over them: x (n, d) float64
     rows (zero where not counted); nxt (n,) each row's successor (a row that has none: itself, v = 0),
-    or None for the next row (the last: itself).  Returns (n,) each, float64: Σ_i |x_i| and max_i |x_i| of each row,
-    and with v_k = x_nxt(k) − x_k the curvature's ‖v_k‖ and ⟨v_nxt(k), v_k⟩ (0 in the padding rows).
+    or None for the next row (the last: itself).  Returns (n,) each, float64: Σ_i |x_i| and max_i |x_i|
+    of each row, and with v_k = x_nxt(k) − x_k the curvature's ‖v_k‖ and ⟨v_nxt(k), v_k⟩ (0 in the
+    padding rows).
 
     One function for every path: the CPU's token-sum pass calls it on each cache-resident float64
     chunk of rows it has just upcast (`TokenSums._add_chunked`, chunks overlapping by two rows), the

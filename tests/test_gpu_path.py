@@ -429,8 +429,11 @@ def test_compiled_step_gives_the_window_measures_their_terms_without_recompiles(
         if mo:
             acc.moments = Moments(L, d, "cpu", precision="bfloat16", background=False)
         real = acc.extra.add
-        acc.extra.add = lambda *a, real=real, k=(f, mo), **kw: (given.append((k, kw.get("terms") is not None,
-                                                                              kw.get("sel") is not None)), real(*a, **kw))
+
+        def spy(*a, real=real, key=(f, mo), **kw):
+            given.append((key, kw.get("terms") is not None, kw.get("sel") is not None))
+            return real(*a, **kw)
+        acc.extra.add = spy
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no fallback warning may fire
         for acc in accs.values():

@@ -120,8 +120,8 @@ def window_definition(batches, L: int, d: int, k: int):
                     curv_w += 1
                 if vecs:
                     z_mean = np.mean(vecs, 0)
-                    for p, z in (("mean", z_mean), ("last", vecs[-1]),
-                                 ("normalized", z_mean / np.linalg.norm(z_mean) if np.linalg.norm(z_mean) > 0 else None)):
+                    r = np.linalg.norm(z_mean)
+                    for p, z in (("mean", z_mean), ("last", vecs[-1]), ("normalized", z_mean / r if r > 0 else None)):
                         if z is not None:
                             pooled[p][0] += 1
                             pooled[p][1] += z
