@@ -229,9 +229,11 @@ def row_terms(x: torch.Tensor, nxt: torch.Tensor | None = None) -> tuple[torch.T
         v[n - 1:].zero_()
         dot = torch.zeros(n, dtype=x.dtype, device=x.device)
         dot[: max(n - 2, 0)] = torch.linalg.vecdot(v[1: n - 1], v[: max(n - 2, 0)], dim=1)
-    else:
-        v = x.index_select(0, nxt) - x
-        dot = torch.linalg.vecdot(v.index_select(0, nxt), v, dim=1)
+    else:  # v spelled twice (xn − x, −x + xn: the same values), never indexed or shared, so that a
+        # compiler computes it inside each reduction instead of writing v (n, d) to memory
+        xn = x.index_select(0, nxt)  # (n, d) each row's successor
+        v = xn - x
+        dot = torch.linalg.vecdot(x.index_select(0, nxt.index_select(0, nxt)) - xn, x.neg() + xn, dim=1)
     return (torch.linalg.vector_norm(x, 1, dim=1), torch.maximum(x.amax(1), -x.amin(1)),
             torch.linalg.vector_norm(v, dim=1), dot)
 

@@ -99,28 +99,29 @@ def test_a_failed_recompile_falls_back_to_eager_with_one_warning():
     _assert_same(eager, fused, L)
 
 
-def test_recompile_limit_is_an_error_not_a_silent_eager_fallback(monkeypatch):
+def test_recompile_limit_is_an_error_not_a_silent_eager_fallback():
     """torch's recompile limit, hit inside `_run_compiled`, raises (instead of torch running the step
     eagerly without a word): `add` falls back to its own eager path with one warning, the path
     recorded, the sums right.  (dynamo's "eager" backend and a limit of 1: fast; a dtype change forces
     the recompile.)"""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    L, V, d = 1, 40, 4
-    gen = torch.Generator().manual_seed(3)
-    eager, fused = TokenSums(L, V, d, "cpu", fused=False), TokenSums(L, V, d, "cpu", fused=True)
-    torch._dynamo.reset()
-    fused._fused = torch.compile(accumulate.layer_step, backend="eager")
-    _feed([eager, fused], [(2, 3)], V, d, L, gen)  # bf16: compiled
-    assert fused._compiled_once and fused._fused is not None
-    ids, counted, hidden = _batch(3, 2, V, d, gen)
-    with pytest.warns(RuntimeWarning, match="recompile failed \\(FailOnRecompileLimitHit"):
-        for acc in (eager, fused):
-            acc.set_batch(ids, counted)
-            acc.add(0, hidden.float())  # float32: another graph, over the limit
-    assert fused._fused is None and fused.paths["layer_step"] == "eager (recompile failed: FailOnRecompileLimitHit)"
-    assert not torch._dynamo.config.fail_on_recompile_limit_hit  # set only around the call
-    _assert_same(eager, fused, L)
-    torch._dynamo.reset()
+    # config.patch, not monkeypatch: its undo deleted the option (AttributeError in every later compile)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        L, V, d = 1, 40, 4
+        gen = torch.Generator().manual_seed(3)
+        eager, fused = TokenSums(L, V, d, "cpu", fused=False), TokenSums(L, V, d, "cpu", fused=True)
+        torch._dynamo.reset()
+        fused._fused = torch.compile(accumulate.layer_step, backend="eager")
+        _feed([eager, fused], [(2, 3)], V, d, L, gen)  # bf16: compiled
+        assert fused._compiled_once and fused._fused is not None
+        ids, counted, hidden = _batch(3, 2, V, d, gen)
+        with pytest.warns(RuntimeWarning, match="recompile failed \\(FailOnRecompileLimitHit"):
+            for acc in (eager, fused):
+                acc.set_batch(ids, counted)
+                acc.add(0, hidden.float())  # float32: another graph, over the limit
+        assert fused._fused is None and fused.paths["layer_step"] == "eager (recompile failed: FailOnRecompileLimitHit)"
+        assert not torch._dynamo.config.fail_on_recompile_limit_hit  # set only around the call
+        _assert_same(eager, fused, L)
+        torch._dynamo.reset()
 
 
 def test_bf16_product_probe_runs_on_the_rows_device_and_its_fallback_warns(monkeypatch):
