@@ -64,6 +64,8 @@ import torch
 from isotropy_warehouse import faults
 from isotropy_warehouse.errors import UserError
 
+from .sequences import chunk_terms, row_terms
+
 try:
     import fcntl
 except ImportError:  # not POSIX: orphaned spill directories are not swept
@@ -106,6 +108,7 @@ class TokenSums:
         self.windows = torch.zeros(n_layers, dtype=torch.int64, device=self.device)  # windows with ≥ 2 vectors
         self.window_cos = torch.zeros(n_layers, dtype=torch.float64, device=self.device)  # Σ_w mean cos(h, m_w)
         self._batch = None
+        self._nxt = None  # (B·T,) the positions' next counted positions (`set_batch`, compiled step with `extra`)
         # On a GPU, a few compiled kernels per layer (norm; scale + scatter-add; per-window
         # reductions) instead of ~15 eager ones, the float64 û never written to memory: `layer_step`.
         use = self.device.type == "cuda" and not self.fold_partials and not self.segment if fused is None else fused
@@ -242,6 +245,11 @@ class TokenSums:
                          torch.arange(len(sel_np), device=self.device),
                          self._h2d(np.bincount(win_np, minlength=B)))
         self._counted = self._h2d(counted) if self._fused is not None else None
+        self._nxt = None  # for the per-window measures' terms in the compiled step: each counted
+        if self._fused is not None and self.extra is not None:  # position's next one (else itself)
+            nxt = np.arange(B * T)  # (B·T,)
+            nxt[sel_np[:-1]] = sel_np[1:]
+            self._nxt = self._h2d(nxt)
         if self.segment:  # the batch's rows sorted by slot once; per layer, segment sums over the runs
             order = np.argsort(slots, kind="stable")  # (M,)
             uniq, lengths = np.unique(slots[order], return_counts=True)  # (U,), (U,)
@@ -266,7 +274,7 @@ class TokenSums:
         if self._fused is not None and self.sample is None and uniq is None:
             try:
                 stats = _run_compiled(self._fused, self.sums[layer], self.counts[layer], index, hidden, sel,
-                                      self._counted)
+                                      self._counted, self._nxt)
             except Exception as e:  # no Triton / compiler here, or a recompile failed or hit the limit:
                 # the eager path from here on, same sums (a compile fails before the step writes anything)
                 why = "recompile" if self._compiled_once else "compile"
@@ -277,17 +285,22 @@ class TokenSums:
             else:
                 self._compiled_once = True
                 nonfinite, zero, ok_bt, *windows = stats
+                windows, terms = windows[:4], windows[4:]  # terms: `row_terms` (with `extra`)
                 self.nonfinite[layer] += nonfinite
                 self.zero[layer] += zero
                 self._window_stats(layer, *windows)
-                if self.moments is not None or self.extra is not None:  # the raw rows, NaN/inf/zero ones zeroed
-                    h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d)
+                if self.moments is not None or self.extra is not None:
                     ok = ok_bt.reshape(-1).index_select(0, sel)  # (M,) the step's own finite & non-zero test
-                    h = h.masked_fill(~ok.unsqueeze(1), 0)
-                    if self.moments is not None:  # n and Σh from the step's per-window sums: not read again
+                    flat = hidden.reshape(-1, d)  # (B·T, d)
+                    h = None
+                    if self.moments is not None:  # the raw rows, NaN/inf/zero ones zeroed; n and Σh from
+                        h = flat.index_select(0, sel).masked_fill(~ok.unsqueeze(1), 0)  # the step: not read again
                         self.moments.add(layer, h, ok, s=windows[0].sum(0), n=windows[2].sum())
-                    if self.extra is not None:
-                        self.extra.add(layer, h, ok, windows[0], windows[2])
+                    if self.extra is not None:  # its row terms from the step: only a few rows are read again
+                        if h is None:
+                            self.extra.add(layer, flat, ok, windows[0], windows[2], terms=tuple(terms), sel=sel)
+                        else:
+                            self.extra.add(layer, h, ok, windows[0], windows[2], terms=tuple(terms))
                 return
         h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d) compute dtype
         if self.sample is not None:
@@ -335,6 +348,10 @@ class TokenSums:
         counts = ok.long()
         return counts, torch.zeros(n_win, dtype=torch.int64, device=ok.device).index_add_(0, win, counts)
 
+    # The CPU path: the per-window measures' `row_terms` from its chunks (True), or in WindowMeasures'
+    # own chunked pass (False); None: from the chunks unless WindowMeasures runs on the moments'
+    # background thread, where its own pass is off the forward's thread (docs/performance.md, session 17)
+    WINDOW_TERMS: bool | None = None
     CHUNK = 512  # rows per step of the CPU path: its float64 temporaries (2 MiB at d 512) stay in cache
 
     def _add_chunked(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
@@ -344,7 +361,11 @@ class TokenSums:
         the chunk: one upcast per row instead of three (the norm's, the product's and Σh's type
         promotions each upcast all M rows) and no (M, d) float64 temporary, so each pass reads
         cache instead of memory.  Measured (M 4,096, d 512, 2-core Zen 2): 4.7 ms against 17.2 ms
-        per layer and batch.  h: (M, d) the counted rows, index: (M,) their slots."""
+        per layer and batch.  With `extra` (--sequences) the per-window measures' `row_terms` are
+        taken from the same chunks (each chunk upcast with the previous chunk's last two rows, for
+        the velocities across the boundary), so WindowMeasures does not read the rows again — unless
+        it runs on the moments' background thread (`WINDOW_TERMS`; docs/performance.md, session 17).
+        h: (M, d) the counted rows, index: (M,) their slots."""
         M, d = h.shape
         win, n_win, _, n_w = self._windows
         f64 = torch.float64
@@ -353,9 +374,14 @@ class TokenSums:
         u2 = torch.zeros(d, dtype=f64)  # Σû² per dimension
         S = self.sums[layer]
         finites, oks, excluded = [], [], False  # per chunk: its finite rows, its finite non-zero rows (c,)
+        fuse = self.extra is not None and (self.WINDOW_TERMS if self.WINDOW_TERMS is not None
+                                           else self.extra._worker is None)
+        terms = [] if fuse else None  # per chunk: `row_terms` of its rows
         for a in range(0, M, self.CHUNK):
             b = min(a + self.CHUNK, M)
-            x = h[a:b].to(f64, copy=True)  # (c, d) exact upcast, never h itself (moments read h later)
+            o = 2 if terms is not None and a > 0 else 0  # the per-window terms: 2 rows of the previous chunk
+            xe = h[a - o:b].to(f64, copy=True)  # (o + c, d) exact upcast, never h itself (moments read h later)
+            x = xe[o:]  # (c, d) this chunk's rows
             norm = torch.linalg.vector_norm(x, dim=1)  # (c,) float64
             inv = norm.reciprocal()
             finite = torch.isfinite(norm)
@@ -366,6 +392,8 @@ class TokenSums:
                 excluded = True
                 x.masked_fill_(~ok.unsqueeze(1), 0)
                 inv = torch.where(ok, inv, 0.0)
+            if terms is not None:  # the per-window measures' terms from the rows in cache (before û)
+                terms.append(chunk_terms(xe, o, b == M))
             m.index_add_(0, win[a:b], x)
             x.mul_(inv.unsqueeze(1))  # û
             u.index_add_(0, win[a:b], x)
@@ -381,7 +409,9 @@ class TokenSums:
         if self.moments is not None:
             self.moments.add(layer, h, ok)
         if self.extra is not None:
-            self.extra.add(layer, h, ok, m, n_w)
+            if terms is not None:  # (M,) each, the chunks' pieces joined
+                terms = tuple(torch.cat(t) for t in zip(*terms))
+            self.extra.add(layer, h, ok, m, n_w, terms=terms)
 
     def _segment_add(self, layer: int, h: torch.Tensor, x: torch.Tensor, counts: torch.Tensor,
                      n_w: torch.Tensor) -> torch.Tensor:
@@ -495,24 +525,26 @@ def _compiled_layer_step():
     return torch.compile(layer_step, dynamic=None)
 
 
-def _run_compiled(fn, sums, counts, index, hidden, sel, counted):
+def _run_compiled(fn, sums, counts, index, hidden, sel, counted, nxt=None):
     """Call the compiled `layer_step`, its changing sizes marked unbacked (see `_compiled_layer_step`),
     and with torch's recompile limit made an error (caught by `add`: the eager path, with a warning)
     instead of a silent fallback to eager inside torch."""
     import torch._dynamo.decorators  # loaded by torch.compile already; named here for the linters
 
     mark = torch._dynamo.decorators.mark_unbacked
-    for t in (sums, counts, index, sel):
+    for t in (sums, counts, index, sel) if nxt is None else (sums, counts, index, sel, nxt):
         mark(t, 0)
     for t in (hidden, counted):
         mark(t, 0)
         mark(t, 1)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        return fn(sums, counts, index, hidden, sel, counted)
+        if nxt is None:
+            return fn(sums, counts, index, hidden, sel, counted)
+        return fn(sums, counts, index, hidden, sel, counted, nxt)
 
 
 def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hidden: torch.Tensor,
-               sel: torch.Tensor, counted: torch.Tensor):
+               sel: torch.Tensor, counted: torch.Tensor, nxt: torch.Tensor | None = None):
     """One layer of one batch, written for `torch.compile` (the GPU path): sums (U, d) float64 +=
     û of the counted positions of hidden (B, T, d) (flat positions `sel` (M,), slots `index`
     (M,)), counts += 1 per finite non-zero vector; plus the per-window sums the eager path gets
@@ -520,7 +552,15 @@ def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hi
     the counted finite non-zero positions (B, T) (for the moments),
     Σh per window (B, d), Σû per window (B, d), vectors per window (B,), Σû² (d,)) as device
     tensors: no sync.  Compiled, the upcast, scaling and masking fuse into the reductions and the
-    scatter-add, so no (B, T, d) float64 tensor is materialised; eager, it is the same arithmetic."""
+    scatter-add, so no (B, T, d) float64 tensor is materialised; eager, it is the same arithmetic.
+    With `nxt` (B·T,) (each counted position's next counted position, `--sequences`): also the
+    per-window measures' `row_terms` of the counted rows (float64, masked; (M,) each).
+
+    The reductions are written in two shapes, so that a compiler that makes one kernel per shape
+    (Triton: per (outputs, reduction length)) reads h in as few kernels as it can: per position, over
+    d — the norm and the row terms (the successor rows by index: neighbouring rows) — and per
+    window, over T — Σh, Σû and Σû² (taken per window, then over the B windows: a reduction over
+    all B·T rows at once would be a third shape, another pass over h)."""
     d = hidden.shape[-1]
     norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float64)  # (B, T)
     finite = norm.isfinite()
@@ -530,8 +570,11 @@ def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hi
     x = hm * inv.unsqueeze(-1)  # (B, T, d) û, zero where not counted
     sums.index_add_(0, index, x.reshape(-1, d).index_select(0, sel))
     counts.index_add_(0, index, ok.reshape(-1).index_select(0, sel).long())
-    return ((counted & ~finite).sum(), (counted & finite & (norm == 0)).sum(), ok,
-            hm.sum(1), x.sum(1), ok.sum(1), (x * x).sum((0, 1)))
+    out = ((counted & ~finite).sum(), (counted & finite & (norm == 0)).sum(), ok,
+           hm.sum(1), x.sum(1), ok.sum(1), (x * x).sum(1).sum(0))
+    if nxt is None:
+        return out
+    return out + tuple(t.index_select(0, sel) for t in row_terms(hm.reshape(-1, d), nxt))
 
 
 def _add_gram_upper(S: torch.Tensor, block, panels: int) -> None:

@@ -432,3 +432,49 @@ def test_moments_fed_the_compiled_steps_n_and_sum_equal_their_own():
     assert torch.equal(me.n, mf.n) and torch.equal(me.s1, mf.s1) and me._split == mf._split == [True, False]
     for layer in range(L):
         assert np.array_equal(me.s2(layer), mf.s2(layer))
+
+
+def test_compiled_step_gives_the_window_measures_their_terms_without_recompiles():
+    """--sequences on the compiled path: `layer_step` computes the per-window measures' row terms
+    (Σ|h|, row maxima, the curvature's ‖v‖ and ⟨v', v⟩, float64) from the masked float64 rows it
+    forms for the token sums, and `WindowMeasures` reads only the few rows it needs (the windows'
+    last vectors, the top-k rows) — with the moments on, from their gathered rows; alone, gathered
+    from the hidden states.  Equal to the float64 definition to 1e-12 (counts exact, the top-k
+    identical) like the eager path; B = 1, T = 1 and T = d batches after the warm-up compile nothing."""
+    from test_sequences import assert_windows_equal_definition, feed_windows, window_definition, windows_batch
+
+    from extract.sequences import WindowMeasures
+
+    L, V, d = 2, 3000, 8
+    gen = torch.Generator().manual_seed(1)
+    warm = [windows_batch(1, d, V, d, gen)]  # T == d, B = 1 in the first batch
+    rest = [windows_batch(B, T, V, d, gen) for B, T in ((1, 7), (3, 1), (1, 1), (2, d), (5, 9), (1, 2), (4, 30))]
+    accs = {(f, mo): TokenSums(L, V, d, "cpu", fused=f) for f, mo in ((False, False), (True, False), (True, True))}
+    given = []
+    for (f, mo), acc in accs.items():
+        acc.extra = WindowMeasures(L, d, "cpu", top_k=5)
+        if mo:
+            acc.moments = Moments(L, d, "cpu", precision="bfloat16", background=False)
+        real = acc.extra.add
+
+        def spy(*a, real=real, key=(f, mo), **kw):
+            given.append((key, kw.get("terms") is not None, kw.get("sel") is not None))
+            return real(*a, **kw)
+        acc.extra.add = spy
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback warning may fire
+        for acc in accs.values():
+            feed_windows(acc, warm, L)
+        graphs = counters["stats"]["unique_graphs"]
+        recompiles = sum(counters["recompiles"].values())
+        for acc in accs.values():
+            feed_windows(acc, rest, L)
+    if any(acc._fused is None for (f, _), acc in accs.items() if f):  # inductor could not compile here
+        pytest.skip("the compiled step fell back to eager in this environment: nothing to compare")
+    assert counters["stats"]["unique_graphs"] == graphs and sum(counters["recompiles"].values()) == recompiles
+    assert {(k, t, s) for k, t, s in given} == {((False, False), True, False), ((True, False), True, True),
+                                                ((True, True), True, False)}  # terms from the pass everywhere
+    want = window_definition(warm + rest, L, d, 5)
+    for acc in accs.values():
+        assert_windows_equal_definition(acc.extra, want, L)
+    _assert_same(accs[(False, False)], accs[(True, False)], L)
