@@ -92,6 +92,7 @@ def test_sweep_compacts_each_finished_checkpoint(workdir, sources, model_factory
     import shutil
 
     from conftest import run_cli, same_numbers, views
+    from warehouse import merge, store
 
     root = workdir / "models" / "sweep-compact"
     for step in ("step0", "step5"):
@@ -103,11 +104,14 @@ def test_sweep_compacts_each_finished_checkpoint(workdir, sources, model_factory
     wh, open_wh = workdir / "sweep-compact-wh", workdir / "sweep-compact-open"
     code, _, err = run_cli("sweep", config, "--warehouse", wh)
     assert code == 0, err
-    assert "sweep-compact@step0: every unit in; compacted" in err and "sweep-compact@step5: every unit in" in err
+    for step in ("step0", "step5"):  # the units appended; each checkpoint folded once, then compacted
+        assert f"sweep-compact@{step}: every unit in; folded 2 partial(s)" in err, err
+        assert f"sweep-compact@{step}: compacted" in err
     assert compacted(wh) == {"step0": True, "step5": True}
     code, _, err = run_cli("sweep", config, "--warehouse", open_wh, "--no-compact")
     assert code == 0, err
     assert compacted(open_wh) == {"step0": False, "step5": False}
+    assert merge.pending(store.read_manifest(open_wh)) == {}  # folded all the same
     assert disk(wh) < disk(open_wh)
     same_numbers(views(wh), views(open_wh), tol=1e-12)
     code, _, err = run_cli("sweep", config, "--warehouse", open_wh)  # nothing left to run: the finished ones compacted
