@@ -539,9 +539,31 @@ def doctor(
     typer.echo(f"saved: {write_report(rep, out)}", err=True)
 
 
+def _program() -> str:
+    """How the user ran this command line: `python cli.py` (a checkout), `isotropy-warehouse` (the
+    console script) or `python -m isotropy_warehouse`."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    if name == "cli.py":
+        return "python cli.py"
+    if name == "__main__.py":
+        return "python -m isotropy_warehouse"
+    return "isotropy-warehouse"
+
+
+def _examples_as_run(program: str) -> None:
+    """Each command's help (its `Example:` lines) in the words the user ran it with."""
+    if program == "python cli.py":
+        return
+    for info in app.registered_commands:
+        doc = info.callback.__doc__ if info.callback is not None else None
+        if doc and "python cli.py" in doc:
+            info.callback.__doc__ = doc.replace("python cli.py", program)
+
+
 def main() -> None:
     """Run the app; an I/O failure that no command turned into a message (a disk or a store failing
     mid-run) still ends in one line and exit code 2."""
+    _examples_as_run(_program())
     try:
         app()
     except OSError as e:

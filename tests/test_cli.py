@@ -23,6 +23,18 @@ def test_help_works_from_the_repo_root_and_each_command_has_an_example():
         assert "Example:" in (command.help or ""), name
 
 
+def test_help_examples_use_the_name_the_command_was_run_by(tmp_path):
+    """`python -m isotropy_warehouse merge --help` shows `python -m isotropy_warehouse merge …`, not the
+    checkout's `python cli.py` (the console script likewise shows `isotropy-warehouse`)."""
+    out = subprocess.run([sys.executable, "-m", "isotropy_warehouse", "merge", "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Example: python -m isotropy_warehouse merge" in out.stdout and "python cli.py" not in out.stdout
+    out = subprocess.run([sys.executable, "cli.py", "merge", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert "Example: python cli.py merge" in out.stdout
+
+
 def test_params_only_writes_parameters_and_no_data(workdir, model_factory):
     wh = workdir / "params-wh"
     code, _, err = run_cli("extract", "--model", model_factory("gpt_neox", tied=False), "--params-only", "--warehouse", wh)
