@@ -123,6 +123,7 @@ class SourceResult:
     filtered: int = 0
     seconds: float = 0.0
     spills: int = 0  # eviction runs written to disk to stay under the memory budget (extract/accumulate.py)
+    unread: int = 0  # documents read but left when --max-tokens ran out before them (not counted in `documents`)
     spill_bytes: int = 0  # bytes written to spill files (eviction runs and their merges)
     accumulator_peak_bytes: int = 0
     vector_dtype: str | None = None  # the token vectors as stored: --vector-dtype, float32 where float16 overflows
@@ -228,7 +229,8 @@ class Windower:
                     self.budget -= len(piece)
                 if piece:
                     yield piece, doc, self.pos + start
-                if self.exhausted:
+                if self.exhausted:  # the chunk's later documents were read but not used
+                    self.result.unread += len(set(docs[docs.index(doc):]) - {doc})
                     return
             self.pos += len(ids)
 
@@ -459,7 +461,7 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
                 bar.update(_forward(forward, acc, batch, salt, result))
         bar.close()
         result.seconds = time.perf_counter() - start
-        result.documents = stats.documents
+        result.documents = stats.documents - result.unread
         result.filtered = stats.filtered
         _finish(result, acc, stats)
         return acc
@@ -547,6 +549,7 @@ def accumulate_split(loaded: Loaded, source: Source, settings: Settings) -> list
                     run(part, batch)
         bar.close()
         for value, part in parts.items():
+            part.result.documents -= part.result.unread
             part.result.filtered = stats.rows - stats.value_rows.get(value, 0)
             _finish(part.result, part.acc, stats)
         if stats.unassigned:

@@ -46,6 +46,32 @@ def test_params_only_writes_parameters_and_no_data(workdir, model_factory):
     assert con.execute("SELECT count(*) FROM inter_sim").fetchone()[0] == 0
 
 
+def test_max_tokens_counts_only_the_documents_it_used(tmp_path, model_factory):
+    """--max-tokens stops reading; the documents reported are those whose tokens were counted (the
+    tokenizer's chunk read ahead is not), as the definition counts them."""
+    from transformers import AutoTokenizer
+
+    model = model_factory("gpt_neox", tied=False)
+    texts = [f"document number {i} says " + "word " * (3 + i % 5) for i in range(200)]
+    src = tmp_path / "docs.txt"
+    src.write_text("\n".join(texts) + "\n")
+    tok = AutoTokenizer.from_pretrained(model)
+    budget, used = 60, 0
+    for text in texts:  # documents until the budget is spent (the last one possibly in part)
+        used += 1
+        budget -= len(tok(text, add_special_tokens=False)["input_ids"])
+        if budget <= 0:
+            break
+    wh = tmp_path / "wh"
+    code, _, err = run_cli("extract", "--model", model, "--source", f"d={src}", "--warehouse", wh,
+                           "--max-tokens", 60, "--max-length", 32)
+    assert code == 0, err
+    con = connect(wh)
+    assert con.execute("SELECT documents, tokens FROM runs WHERE kind = 'data'").fetchone() == (used, 60)
+    con.close()
+    assert f"{used} documents" in err
+
+
 def test_extract_prints_a_summary(workdir, sources, model_factory):
     code, _, err = run_cli("extract", "--model", model_factory("gpt_neox", tied=False), "--source",
                            f"alpha={sources['alpha']}", "--warehouse", workdir / "summary-wh", "--max-tokens", 50)
