@@ -101,6 +101,15 @@ def _bases(manifest: dict, merged: list[dict]) -> dict[str, str | None]:
     return {m["key"]: manifest["entries"].get(m["key"], {}).get("run_id") for m in merged}
 
 
+def _leaves_stale(manifest: dict, put: list[dict], remove: list[str]) -> bool:
+    """Whether the state after putting `put` and removing `remove` would have a merged entry holding
+    a partial it no longer lists (the guard that keeps every record exact)."""
+    gone = set(remove)
+    after = {**manifest, "entries": {k: e for k, e in manifest["entries"].items() if k not in gone}}
+    after["entries"].update({e["key"]: e for e in put})
+    return bool(stale_groups(after)[0])
+
+
 def _still_valid(manifest: dict, merged: list[dict], bases: dict, entries: list[dict] = (),
                  drop: Iterable[str] = ()) -> bool:
     """Whether merged entries folded on an older state can be published on `manifest` as they are:
@@ -202,6 +211,17 @@ def commit(root, entries: list[dict], max_tries: int = 1000, replace: bool = Fal
                                     "(run `python cli.py validate`)") from None
                 seq, manifest = store.read_state(root)
                 continue
+        if _leaves_stale(manifest, entries + merged, remove):  # a held partial would go without its un-fold
+            if not merged and not unfold:
+                raise UserError("the merged tables hold partials the manifest no longer lists "
+                                "(run `python cli.py validate --fix`)")
+            discard(root, merged)
+            merged = fold_groups(root, manifest, data, dropped)
+            bases = _bases(manifest, merged)
+            if _leaves_stale(manifest, entries + merged, remove):
+                discard(root, merged)
+                raise UserError("the merged tables hold partials the manifest no longer lists "
+                                "(run `python cli.py validate --fix`)")
         try:
             faults.hit("merge")  # merged files written, commit record not yet
             stale = store.publish(root, seq, manifest, entries + merged, remove)
@@ -227,7 +247,7 @@ def fold_pending(root, model: str | None = None, checkpoint: str | None = None, 
     bases: dict = {}
     for _ in range(max_tries):
         seq, manifest = store.read_state(root)
-        stale, _ = stale_groups(manifest)
+        stale = [k for k in stale_groups(manifest)[0] if match(manifest["entries"][k])]
         if stale:
             discard(root, merged)
             raise UserError(f"{stale[0]}: its merged tables hold a partial the manifest no longer lists "
