@@ -111,7 +111,7 @@ _OPS = hs.lists(hs.one_of(
 ), min_size=2, max_size=7)
 
 
-@settings(max_examples=18, deadline=None, derandomize=True,
+@settings(max_examples=12, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=_OPS)
 def test_random_sequences_equal_a_clean_one_shot_fold(ops):
@@ -137,7 +137,8 @@ def test_random_sequences_equal_a_clean_one_shot_fold(ops):
                 except UserError as err:  # a shard of 2 beside 1/1 or 1/3 without --replace
                     assert "shares documents" in str(err), err
                     _drop_files(root, e)
-            _invariants(root)
+            if (root / store.LOG_DIR).exists():
+                _invariants(root)
         if not _data(root):
             return
         merge.fold_pending(root)
