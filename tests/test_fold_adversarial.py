@@ -111,7 +111,7 @@ _OPS = hs.lists(hs.one_of(
 ), min_size=2, max_size=7)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=_OPS)
 def test_random_sequences_equal_a_clean_one_shot_fold(ops):
@@ -249,6 +249,26 @@ def test_a_fold_that_lost_to_a_rerun_of_its_pending_partial_folds_the_rerun(tmp_
     check_against(root, oracle(root, [a2, c]))
 
 
+def test_a_merge_whose_only_pending_partial_was_rerun_meanwhile_folds_the_rerun(tmp_path, monkeypatch):
+    # BUG (minor): fold_pending (warehouse/commits.py, `if not want & {partial_id(e) for e in todo}`)
+    # remembers the partials pending when it started by run_id:key; when an appending re-run replaces
+    # the only one before the fold's record lands, the retry finds none of `want` pending and returns
+    # 1 ("folded 1 pending partial(s)" from `cli.py merge`) having folded nothing: the re-run of that
+    # very shard is still pending after the merge returns.  Expected: the re-run (same key) folded, as
+    # the merge was asked to fold that shard's data; got: pending_pairs == [("m", "c")].
+    root = tmp_path / "wh"
+    rng = np.random.default_rng(16)
+    a = _partial(root, rng, "s0", "1-of-1")
+    merge.commit(root, [a], fold=False)
+    a2 = _partial(root, rng, "s0", "1-of-1")
+    raced = _race(monkeypatch, lambda: merge.commit(root, [a2], fold=False))
+    n = merge.fold_pending(root)
+    assert raced
+    _invariants(root)
+    assert merge.pending_pairs(store.read_manifest(root)) == [], f"fold_pending returned {n}, folded nothing"
+    check_against(root, oracle(root, [a2]))
+
+
 def test_a_folding_commit_that_lost_to_an_appending_cover_refolds(tmp_path, monkeypatch):
     """commit(fold=True) of s1 folds the pending s0 shard 1/2 too; meanwhile an appending --shard 1/1
     of s0 drops that shard: the fold must be redone without it."""
@@ -371,6 +391,50 @@ def test_kill_9_in_merge_at_more_points(tmp_path, point):
     merge.fold_pending(root)
     check_against(root, oracle(root, entries))
     assert validate(root) == []
+
+
+# ---------------------------------------------------------------- (3b) kill -9 in `extract --no-fold`
+
+
+@pytest.fixture(scope="module")
+def no_fold_base(tmp_path_factory, sources, model_factory):
+    """A warehouse holding shard 1/2 (folded), and one where shard 2/2 was then appended and merged."""
+    model = model_factory("gpt_neox", tied=False)
+    where = tmp_path_factory.mktemp("nofold")
+
+    def args(wh, shard, *extra):
+        return ["extract", "--model", model, "--source", f"alpha={sources['alpha']}", "--warehouse", str(wh),
+                "--max-length", "32", "--shard", shard, "--moments", "--sample", "30", *extra]
+
+    before, after = where / "before", where / "after"
+    assert run_cli(*args(before, "1/2"))[0] == 0
+    shutil.copytree(before, after)
+    assert run_cli(*args(after, "2/2", "--no-fold"))[0] == 0
+    assert run_cli("merge", "--warehouse", after)[0] == 0
+    return {"args": args, "before": before, "after": after}
+
+
+@pytest.mark.parametrize("point", ["manifest", "views"])
+def test_kill_9_in_extract_no_fold(no_fold_base, tmp_path, point):
+    """`extract --no-fold` killed before its record (manifest) or after it (views): before, the
+    views and runs are as they were; after, the new shard is pending (views unchanged, runs.folded
+    false); validate --fix then `merge` give the uninterrupted result."""
+    wh = tmp_path / "wh"
+    shutil.copytree(no_fold_base["before"], wh)
+    before = _quiet_snapshot(wh)
+    proc = run_subprocess(no_fold_base["args"](wh, "2/2", "--no-fold"), fault=f"{point}:1")
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    landed = len(_data(wh)) == 2
+    assert landed == (point != "manifest")
+    assert _quiet_snapshot(wh) == before  # appended or not: the merged tables are as they were
+    assert (merge.pending_pairs(store.read_manifest(wh)) != []) == landed
+    assert run_cli("validate", "--warehouse", wh, "--fix", "--grace", "0")[0] == 0
+    assert _unlisted(wh) == set()
+    if not landed:
+        assert run_subprocess(no_fold_base["args"](wh, "2/2", "--no-fold")).returncode == 0
+    assert run_cli("merge", "--warehouse", wh)[0] == 0
+    _views_close(wh, no_fold_base["after"])
+    assert validate(wh) == []
 
 
 # ---------------------------------------------------------------- (4) validate beside pending partials
