@@ -111,7 +111,7 @@ _OPS = hs.lists(hs.one_of(
 ), min_size=2, max_size=7)
 
 
-@settings(max_examples=8, deadline=None, derandomize=True,
+@settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=_OPS)
 def test_random_sequences_equal_a_clean_one_shot_fold(ops):
@@ -269,6 +269,25 @@ def test_a_merge_whose_only_pending_partial_was_rerun_meanwhile_folds_the_rerun(
     check_against(root, oracle(root, [a2]))
 
 
+@pytest.mark.parametrize("fold", [True, False])
+def test_committing_the_same_partial_again_keeps_it_counted_once(tmp_path, fold):
+    # BUG: merge.commit(root, [e]) with an entry that is already committed and held (the same run_id and
+    # key: a caller retrying a commit whose record landed before an exception) is taken as a re-run of
+    # itself: commits.fold_groups computes `removes` = [e] (held, "replaced") but `adds` = [] (its
+    # partial_id is already in the old entry's inputs), so fold_group un-folds e and never adds it back
+    # while the new merged entry's `inputs` still list e (fold_groups, the `adds = …` / `removes = …`
+    # lines).  Expected: every view as before (e counted once) — or a refusal; got: the group's
+    # token_stats without e's rows/counts, silently, with inputs claiming e (validate finds it later).
+    root = tmp_path / "wh"
+    rng = np.random.default_rng(17)
+    a, b = _partial(root, rng, "s0", "1-of-2"), _partial(root, rng, "s0", "2-of-2")
+    merge.commit(root, [a])
+    merge.commit(root, [b])
+    merge.commit(root, [dict(a)], fold=fold)
+    assert validate(root) == []
+    check_against(root, oracle(root, [a, b]))
+
+
 def test_a_folding_commit_that_lost_to_an_appending_cover_refolds(tmp_path, monkeypatch):
     """commit(fold=True) of s1 folds the pending s0 shard 1/2 too; meanwhile an appending --shard 1/1
     of s0 drops that shard: the fold must be redone without it."""
@@ -363,9 +382,9 @@ def test_racing_folds_appends_folding_commits_and_compact_of_another_checkpoint(
 # ---------------------------------------------------------------- (3) kill -9 in `cli.py merge`
 
 
-@pytest.mark.parametrize("point", ["lease", "close", "release", "gc"])
+@pytest.mark.parametrize("point", ["close", "release", "gc"])
 def test_kill_9_in_merge_at_more_points(tmp_path, point):
-    """`cli.py merge` killed while writing the merged files (lease, close), after its record (release,
+    """`cli.py merge` killed while writing the merged files (close), after its record (release,
     gc): as before or as after, validate --fix cleans, a rerun is exact; a re-run shard appended
     after the kill un-folds correctly."""
     root = tmp_path / "wh"
@@ -431,7 +450,7 @@ def test_kill_9_in_extract_no_fold(no_fold_base, tmp_path, point):
     assert run_cli("validate", "--warehouse", wh, "--fix", "--grace", "0")[0] == 0
     assert _unlisted(wh) == set()
     if not landed:
-        assert run_subprocess(no_fold_base["args"](wh, "2/2", "--no-fold")).returncode == 0
+        assert run_cli(*no_fold_base["args"](wh, "2/2", "--no-fold"))[0] == 0
     assert run_cli("merge", "--warehouse", wh)[0] == 0
     _views_close(wh, no_fold_base["after"])
     assert validate(wh) == []
