@@ -304,6 +304,36 @@ def test_a_folding_commit_that_lost_to_an_appending_cover_refolds(tmp_path, monk
     check_against(root, oracle(root, [cover, b]))
 
 
+def test_compact_that_lost_to_an_appending_commit_folds_it_then_compacts(tmp_path, monkeypatch):
+    """A partial appended between compact's fold and its record: compact folds again (nothing lost,
+    nothing pending), then compacts; the views equal the one-shot fold of all three."""
+    root = tmp_path / "wh"
+    rng = np.random.default_rng(18)
+    a, b = _partial(root, rng, "s0", "1-of-3"), _partial(root, rng, "s1", "1-of-1")
+    merge.commit(root, [a], fold=False)
+    merge.commit(root, [b], fold=False)
+    c = _partial(root, rng, "s0", "2-of-3")
+    want = oracle(root, [a, b, c])  # (before compact drops the token_sums)
+    calls = []
+    real = store.publish
+
+    def publish(root_, seq, manifest, new, remove=()):
+        if any(e.get("compacted") for e in new) and not calls:  # compact's own record
+            calls.append(True)
+            merge.commit(root_, [c], fold=False)
+        return real(root_, seq, manifest, new, remove)
+
+    monkeypatch.setattr(store, "publish", publish)
+    merge.compact(root)
+    monkeypatch.setattr(store, "publish", real)
+    assert calls
+    manifest = store.read_manifest(root)
+    assert merge.pending(manifest) == {} and merge.is_compacted(manifest, "m", "c")
+    assert {e["key"] for e in _data(root)} == {a["key"], b["key"], c["key"]}
+    check_against(root, want)
+    assert validate(root) == []
+
+
 def test_merge_and_compact_of_one_checkpoint_ignore_a_stale_group_of_another(tmp_path):
     # BUG: fold_pending (warehouse/commits.py, `stale, _ = stale_groups(manifest)` at the top of its loop)
     # refuses when ANY group of the warehouse is stale, even with model/checkpoint given, so
