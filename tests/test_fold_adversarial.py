@@ -309,6 +309,62 @@ def test_committing_the_same_partial_again_keeps_it_counted_once(tmp_path, fold)
     check_against(root, oracle(root, [a, b]))
 
 
+@pytest.mark.parametrize("other", ["folding commit", "merge", "compact"])
+def test_a_fold_whose_old_state_another_writer_replaced_meanwhile_retries(tmp_path, monkeypatch, other):
+    # BUG: fold_pending (warehouse/commits.py, `merged = fold_groups(root, manifest, [], [], pairs)` in its
+    # loop) does not catch a file that vanished under it: while it streams a group's old merged state,
+    # another writer's fold (a folding commit, another `cli.py merge`, `compact`, which folds first and
+    # then drops token_vectors/token_sums) publishes and deletes those files (store.publish's gc), and the
+    # fold dies with FileNotFoundError (the file opened by fold_tokens._Sorted; here) or
+    # storage.MissingFile "…listed in the commit log but missing; `python cli.py validate --fix`
+    # rebuilds it" (when its checksum is verified first: seen across processes) — a traceback /
+    # a wrong repair hint from `cli.py merge`, `compact`, and a sweep's finish_checkpoints, which the
+    # docs call "safe beside running extracts and other merges".  commit() has this retry (`except
+    # FileNotFoundError` re-reads the state when it changed); fold_pending has none.  Expected: the fold
+    # re-reads the state, finds its partials folded, and returns.  Seen in the racing-processes test too.
+    from warehouse import fold_tokens, storage
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = tmp_path / "wh"
+    rng = np.random.default_rng(20)
+    a, b, c = (_partial(root, rng, "s0", f"{i}-of-3") for i in (1, 2, 3))
+    d = _partial(root, rng, "s1", "1-of-1")
+    merge.commit(root, [a])
+    merge.commit(root, [b])
+    merge.commit(root, [c], fold=False)
+    want = oracle(root, [a, b, c] + ([d] if other == "folding commit" else []))
+    _forget_this_process(monkeypatch)  # (as if another process had written them)
+    done = []
+
+    def run_other():
+        if not done:
+            done.append(True)
+            if other == "folding commit":
+                merge.commit(root, [d])
+            elif other == "merge":
+                merge.fold_pending(root)
+            else:
+                merge.compact(root)
+
+    real_open, real_verify = fold_tokens._Sorted.__init__, storage.verify
+
+    def spy_open(self, *args, **kw):
+        run_other()
+        real_open(self, *args, **kw)
+
+    def spy_verify(*args, **kw):
+        run_other()
+        return real_verify(*args, **kw)
+
+    monkeypatch.setattr(fold_tokens._Sorted, "__init__", spy_open)
+    monkeypatch.setattr(storage, "verify", spy_verify)
+    merge.fold_pending(root)
+    assert done
+    manifest = store.read_manifest(root)
+    assert merge.pending(manifest) == {}
+    check_against(root, want)
+
+
 def test_a_folding_commit_that_lost_to_an_appending_cover_refolds(tmp_path, monkeypatch):
     """commit(fold=True) of s1 folds the pending s0 shard 1/2 too; meanwhile an appending --shard 1/1
     of s0 drops that shard: the fold must be redone without it."""
@@ -403,6 +459,10 @@ def _worker(args):
 
 
 def test_racing_folds_appends_folding_commits_and_compact_of_another_checkpoint(tmp_path):
+    # BUG (intermittent, about 1 run in 2 here): a fold_pending / compact worker dies with
+    # FileNotFoundError or "…listed in the commit log but missing" when another worker's record deletes
+    # the old merged files (or compact of c2 the token_sums) it is reading: the same cause as
+    # test_a_fold_whose_old_state_another_writer_replaced_meanwhile_retries (deterministic there).
     """Eight processes at once: appending and folding commits (one a re-run of a folded shard), two
     fold_pending and a compact of checkpoint c2: every partial of c counted once, c2 compacted with
     its views intact, nothing left unlisted."""
