@@ -8,7 +8,6 @@ Tests marked `# BUG:` fail on the code they were written against: each says what
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -178,7 +177,7 @@ def test_covering_shard_after_folded_and_pending_halves_then_replace_back(tmp_pa
     _invariants(root)
     assert {e["key"] for e in _data(root)} == {cover["key"], b1["key"], b2["key"]}
     again = _partial(root, rng, "s0", "1-of-2")
-    merge.commit(root, [again], fold=False, replace=True)  # conflicts with 1/1: dropped (held by s0? not yet)
+    merge.commit(root, [again], fold=False, replace=True)  # conflicts with 1/1, which s0 holds since: un-folded
     _invariants(root)
     merge.fold_pending(root)
     _invariants(root)
