@@ -17,6 +17,7 @@ and start-up as the manifest grows to N entries (synthetic entries through `merg
 
     python bench/bench_scale.py --d 2048 --layers 2 --vocab 50304 --sources 2 --shards 2 --checkpoints 2
     python bench/bench_scale.py --startup 1,8,64,512 --no-write
+    python bench/bench_scale.py --startup 1,8,64,512 --no-write --s3      # on moto's S3 server, loopback
     python bench/bench_scale.py --metadata 10000 --no-write --startup ''
 """
 
@@ -263,15 +264,43 @@ def tiny_warehouse(wh: Path, partials: int, d: int = 16, L: int = 3, V: int = 51
     merge.commit(wh, entries)
 
 
-def bench_startup(base: Path, counts: list[int]) -> None:
+def moto_s3() -> tuple[subprocess.Popen, str]:
+    """moto's S3 server on 127.0.0.1 with a bucket `bench`; the AWS variables set in this process (and so
+    in the `cli.py sql` children).  Returns (server, "s3://bench")."""
+    import socket
+
+    import boto3
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
+                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_REGION": "us-east-1"})
+    boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"], region_name="us-east-1").create_bucket(Bucket="bench")
+    return proc, "s3://bench"
+
+
+def bench_startup(base: Path | str, counts: list[int]) -> None:
     imports = time_imports()
     print(f'python -c "import duckdb, pyarrow.dataset, typer": {imports[0]:.2f} s wall, {imports[1]:.2f} s CPU (best of 3)')
     print("seconds over the imports, wall / CPU (best of 3 each)")
     print(f"{'partials':>8s} {'SELECT 1':>11s} " + " ".join(f"{v.split()[0][:14]:>14s}" for v in FIGURE_VIEWS))
     for n in counts:
-        wh = base / f"startup-{n}"
-        if not (wh / store.MANIFEST).exists():
+        if isinstance(base, str):  # s3://bucket: built every time (the server keeps nothing)
+            wh = f"{base}/startup-{n}"
             tiny_warehouse(wh, n)
+        else:
+            wh = base / f"startup-{n}"
+            if not (wh / store.MANIFEST).exists():
+                tiny_warehouse(wh, n)
         row = [time_sql(wh, "SELECT 1")] + [time_sql(wh, f"SELECT * FROM {v}") for v in FIGURE_VIEWS]
         cells = [f"{w - imports[0]:5.2f}/{c - imports[1]:5.2f}" for w, c in row]
         print(f"{n:8d} {cells[0]:>11s} " + " ".join(f"{x:>14s}" for x in cells[1:]), flush=True)
@@ -374,6 +403,7 @@ def main() -> None:
     ap.add_argument("--no-compact", action="store_true", help="do not compact each checkpoint once its partials are in")
     ap.add_argument("--no-write", action="store_true", help="skip the write-path part")
     ap.add_argument("--startup", default="1,8,64,512", help="partial counts for the start-up part ('' : skip)")
+    ap.add_argument("--s3", action="store_true", help="the start-up part on S3 (moto's server on loopback)")
     ap.add_argument("--metadata", type=int, default=0, help="grow the manifest to this many entries (0: skip)")
     ap.add_argument("--project", default="", help="print the paper sweep's projection from measured rates "
                     "(commit_ratio=…,commit_s_per_gb=…,write_s_per_gb=…,rest_b_per_cell=…) and stop")
@@ -390,7 +420,14 @@ def main() -> None:
                   f"{a.layers} layers, {a.vocab} types × {a.types:g}, d {a.d}, vectors {a.vector_dtype}"
                   f"{', moments' if a.moments else ''}; warehouse {base / 'wh'}")
             bench_write(base / "wh", a)
-        if a.startup:
+        if a.startup and a.s3:
+            server, url = moto_s3()
+            try:
+                print(f"start-up on S3: moto's server on 127.0.0.1 ({os.environ['AWS_ENDPOINT_URL']})")
+                bench_startup(url, [int(x) for x in a.startup.split(",")])
+            finally:
+                server.terminate()
+        elif a.startup:
             bench_startup(base, [int(x) for x in a.startup.split(",")])
         if a.metadata:
             bench_metadata(base, a.metadata)

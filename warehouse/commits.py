@@ -26,7 +26,7 @@ from isotropy_warehouse.errors import UserError
 
 from . import store
 from .storage import open_storage
-from .coverage import conflict_line, replacements
+from .coverage import check_disjoint, conflict_line, replacements
 from .fold import fold_group, relabel_group
 from .groups import (ALL, _data_by_pair, _in_group, check_open, expected_groups, group_key, partial_id, pending,
                      stale_groups)
@@ -65,7 +65,8 @@ def fold_groups(root, manifest: dict, data: list[dict], dropped: Iterable[dict] 
         for (model, checkpoint), new in sorted(by_pair.items()):
             check_open(manifest, model, checkpoint)
             current = {e["key"]: e for e in current_all.get((model, checkpoint), [])}
-            replaced = [current[e["key"]] for e in new if e["key"] in current]
+            replaced = [current[e["key"]] for e in new  # (the very same partial again: not a replacement)
+                        if e["key"] in current and partial_id(current[e["key"]]) != partial_id(e)]
             replaced += [e for e in gone[(model, checkpoint)] if e["key"] in current and e not in replaced]
             after = {k: e for k, e in current.items() if k not in {r["key"] for r in replaced}}
             after.update({e["key"]: e for e in new})
@@ -183,22 +184,27 @@ def commit(root, entries: list[dict], max_tries: int = 1000, replace: bool = Fal
     seq, manifest = store.read_state(root)
     merged: list[dict] = []
     bases: dict = {}
+    check_disjoint(entries)
     for _ in range(max_tries):
-        for e in entries:
-            store.check_compatible(manifest, e["model"], e["hidden_size"])
-        for model, checkpoint in pairs:
-            check_open(manifest, model, checkpoint)  # a compacted checkpoint: that line first
-        dropped, conflicts = replacements(manifest, entries)
-        if conflicts and not replace:
-            discard(root, merged)
-            raise UserError(conflict_line(conflicts))
+        try:
+            for e in entries:
+                store.check_compatible(manifest, e["model"], e["hidden_size"])
+            for model, checkpoint in pairs:
+                check_open(manifest, model, checkpoint)  # a compacted checkpoint: that line first
+            dropped, conflicts = replacements(manifest, entries)
+            if conflicts and not replace:
+                raise UserError(conflict_line(conflicts))
+        except UserError:
+            discard(root, merged)  # folded on a state that another writer closed meanwhile
+            raise
         dropped += [x for x, _ in conflicts]
         remove = sorted({x["key"] for x in dropped} - {e["key"] for e in entries}) + \
             empty_groups(manifest, entries, dropped)
         if merged and not _still_valid(manifest, merged, bases, entries, remove):
             discard(root, merged)  # another writer folded one of these groups meanwhile
             merged = []
-        rerun = [manifest["entries"][e["key"]] for e in data if e["key"] in manifest["entries"]]
+        rerun = [manifest["entries"][e["key"]] for e in data if e["key"] in manifest["entries"]
+                 and partial_id(manifest["entries"][e["key"]]) != partial_id(e)]
         unfold = held(manifest) & {partial_id(x) for x in [*dropped, *rerun] if x["kind"] == "data"}
         if not merged and (fold or unfold):
             try:
@@ -237,9 +243,10 @@ def commit(root, entries: list[dict], max_tries: int = 1000, replace: bool = Fal
 
 def fold_pending(root, model: str | None = None, checkpoint: str | None = None, max_tries: int = 1000) -> int:
     """Fold every partial pending when it starts (of `model` / `checkpoint` if given) into its groups:
-    one pass per group, one commit record; returns how many partials were pending.  Racing with
-    another fold: a group it folded first is not folded again; with appending commits: its fold is
-    published on top of them (their partials stay pending)."""
+    one pass per group, one commit record; returns how many it folded.  Racing with another fold: a
+    group it folded first is not folded again; with appending commits: its fold is published on top of
+    them (their partials stay pending); with a writer that replaced what it folded: it folds what is
+    pending then.  A stale group of another checkpoint does not stop it."""
     root = open_storage(root)
     match = lambda e: (model is None or e["model"] == model) and (checkpoint is None or e["checkpoint"] == checkpoint)  # noqa: E731
     want: set[str] | None = None
@@ -253,17 +260,23 @@ def fold_pending(root, model: str | None = None, checkpoint: str | None = None, 
             raise UserError(f"{stale[0]}: its merged tables hold a partial the manifest no longer lists "
                             "(run `python cli.py validate --fix`)")
         todo = [e for group in pending(manifest).values() for e in group if match(e)]
+        if merged and not _still_valid(manifest, merged, bases):
+            discard(root, merged)  # another writer folded or replaced what it holds: fold what is pending now
+            merged, want = [], None
         if want is None:
             want = {partial_id(e) for e in todo}
         if not want & {partial_id(e) for e in todo}:  # all folded into every group (here or by another writer)
             discard(root, merged)
-            return len(want)
-        if merged and not _still_valid(manifest, merged, bases):
-            discard(root, merged)
-            merged = []
+            return len(want & held(manifest))  # (not those another writer replaced meanwhile)
         if not merged:
             pairs = sorted({(e["model"], e["checkpoint"]) for e in todo if partial_id(e) in want})
-            merged = fold_groups(root, manifest, [], [], pairs)
+            try:
+                merged = fold_groups(root, manifest, [], [], pairs)
+            except FileNotFoundError as e:  # another writer replaced a file this fold was reading
+                if store.changes_since(root, seq)[0] == seq:
+                    raise UserError(f"{e.filename or e}: listed in the manifest but missing "
+                                    "(run `python cli.py validate`)") from None
+                continue
             bases = _bases(manifest, merged)
         try:
             faults.hit("merge")

@@ -98,3 +98,18 @@ def check_conflicts(manifest: dict, entries: list[dict]) -> None:
     if conflicts:
         raise UserError(conflict_line(conflicts))
 
+
+
+def check_disjoint(entries: list[dict]) -> None:
+    """One commit's own data partials must not share documents: two overlapping shards of one source
+    of one (model, checkpoint) would count those documents twice (the CLI never makes such a commit;
+    the library API could)."""
+    data = [e for e in entries if e["kind"] == "data"]
+    for i, a in enumerate(data):
+        for b in data[i + 1:]:
+            if ((a["model"], a["checkpoint"], a["source"]) == (b["model"], b["checkpoint"], b["source"])
+                    and overlaps(shard_of(a), shard_of(b))):
+                x, y = "/".join(map(str, shard_of(a))), "/".join(map(str, shard_of(b)))
+                raise UserError(f"one commit holds shards {x} and {y} of source {a['source']} of "
+                                f"{a['model']}@{a['checkpoint']}: shard {y} shares documents with shard {x}; "
+                                "commit one of them")

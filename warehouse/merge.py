@@ -23,3 +23,9 @@ from .fold import fold_group, relabel_group  # noqa: F401
 from .groups import (ALL, check_open, checked, expected_groups, folded_members, group_key, is_compacted,  # noqa: F401
                      partial_id, pending, pending_pairs, repair_hint, stale_groups)
 from .storage import open_storage  # noqa: F401
+
+__all__ = ["TOLERANCES", "check", "compare_tables", "commit", "committed_files", "discard", "empty_groups",
+           "fold_groups", "fold_pending", "held", "rebuild", "compact", "check_conflicts", "conflict_line", "covers",
+           "overlaps", "replacements", "shard_of", "fold_group", "relabel_group", "ALL", "check_open", "checked",
+           "expected_groups", "folded_members", "group_key", "is_compacted", "partial_id", "pending", "pending_pairs",
+           "repair_hint", "stale_groups", "open_storage"]
