@@ -243,7 +243,8 @@ def commit(root, entries: list[dict], max_tries: int = 1000, replace: bool = Fal
 
 def fold_pending(root, model: str | None = None, checkpoint: str | None = None, max_tries: int = 1000) -> int:
     """Fold every partial pending when it starts (of `model` / `checkpoint` if given) into its groups:
-    one pass per group, one commit record; returns how many it folded.  Racing with another fold: a
+    one pass per group, one commit record; returns how many of them are folded at its end (by it or by
+    a writer that raced it), re-runs that replaced one meanwhile included.  Racing with another fold: a
     group it folded first is not folded again; with appending commits: its fold is published on top of
     them (their partials stay pending); with a writer that replaced what it folded: it folds what is
     pending then.  A stale group of another checkpoint does not stop it."""
@@ -262,7 +263,8 @@ def fold_pending(root, model: str | None = None, checkpoint: str | None = None, 
         todo = [e for group in pending(manifest).values() for e in group if match(e)]
         if merged and not _still_valid(manifest, merged, bases):
             discard(root, merged)  # another writer folded or replaced what it holds: fold what is pending now
-            merged, want = [], None
+            merged = []
+            want = (want or set()) | {partial_id(e) for e in todo}
         if want is None:
             want = {partial_id(e) for e in todo}
         if not want & {partial_id(e) for e in todo}:  # all folded into every group (here or by another writer)
