@@ -114,8 +114,10 @@ def _rows(acc: TokenSums, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 def doctor(model: str, device: str | None = None, dtype: str | None = None, seconds: float = 30.0,
            source: str = "stdlib-docs", n_batches: int = 8, max_length: int | None = None,
-           batch_tokens: int | None = None, trust_remote_code: bool = False, log=print) -> dict:
-    """Measure and check the default pass; returns the report (a JSON-able dict)."""
+           batch_tokens: int | None = None, trust_remote_code: bool = False, log=None) -> dict:
+    """Measure and check the default pass; returns the report (a JSON-able dict).  `log` (a callable
+    taking one line) hears what it is doing, phase by phase: the warm-up may compile for a minute."""
+    say = log or (lambda line: None)
     if seconds <= 0:
         raise UserError(f"--seconds {seconds}: expected a positive number")
     if n_batches < 1:
@@ -139,6 +141,7 @@ def doctor(model: str, device: str | None = None, dtype: str | None = None, seco
         loaded = load(resolve_model(model), "main", DTYPES[dtype], device, trust_remote_code)
         to_compute(loaded, DTYPES[dtype], device)
         load_s = time.perf_counter() - t0
+        say(f"doctor: {model} loaded on {device} in {load_s:.1f} s; making {n_batches} batches of {source}")
         layers = len(layer_kinds(loaded.model, loaded.layout))
         data = make_batches(loaded, settings, source, n_batches)
         tokens_per_pass = sum(int(b[2].sum()) for b in data)
@@ -167,6 +170,8 @@ def doctor(model: str, device: str | None = None, dtype: str | None = None, seco
             return time.perf_counter() - start
 
         try:
+            say("doctor: warm-up: one bare forward pass, then one default pass (the accumulation step "
+                "compiles here: up to a minute)")
             t = time.perf_counter()
             bare_pass()
             warm = {"bare_s": time.perf_counter() - t}
@@ -175,6 +180,8 @@ def doctor(model: str, device: str | None = None, dtype: str | None = None, seco
             warm["default_s"] = time.perf_counter() - t
             peak_bare = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
             times = {"bare": [], "default": []}
+            say(f"doctor: warm-up {warm['bare_s'] + warm['default_s']:.1f} s; alternating the bare forward and "
+                f"the default pass for {seconds:g} s")
             deadline = time.perf_counter() + seconds
             while not times["bare"] or time.perf_counter() < deadline:
                 times["bare"].append(bare_pass())
@@ -183,6 +190,7 @@ def doctor(model: str, device: str | None = None, dtype: str | None = None, seco
             peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else _peak_rss()
         finally:
             acc.close()
+        say("doctor: checking the first batch's sums against float64 on the CPU")
         check = _check(loaded, settings, data[0], layers)
         caught = [f"{x.category.__name__}: {x.message}" for x in w
                   if issubclass(x.category, (RuntimeWarning, UserWarning))]

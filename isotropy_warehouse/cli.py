@@ -532,7 +532,8 @@ def doctor(
 
     try:
         check_out(out)
-        rep = run_doctor(model, device, dtype, seconds, source, batches, max_length, batch_tokens, trust_remote_code)
+        rep = run_doctor(model, device, dtype, seconds, source, batches, max_length, batch_tokens, trust_remote_code,
+                         log=lambda line: typer.echo(line, err=True))
     except UserError as e:
         fail(str(e))
     typer.echo(summary(rep), err=True)

@@ -357,6 +357,7 @@ def test_doctor_measures_checks_and_saves_a_report(model_factory, sources, tmp_p
                             if accumulate._ONEDNN is not None and accumulate._avx512() else "float32 (centred)"}
     assert rep["check"]["token_sums_max_rel_error"] <= 1e-12 and rep["check"]["moments_covariance_max_rel_error"] <= 1e-5
     assert rep["versions"]["torch"] and "ratio" in err and "saved:" in err
+    assert "doctor: warm-up: one bare forward pass" in err and "alternating the bare forward" in err  # never silent
     code, _, err = run_cli("doctor", "--model", model_factory("gpt_neox"), "--seconds", "0", "--out", out)
     assert code == 2 and err.strip() == "error: --seconds 0.0: expected a positive number"
     for args, message in ((["--out", tmp_path / "no" / "r.json"], f"--out {tmp_path / 'no' / 'r.json'}: no directory"),
