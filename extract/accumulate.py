@@ -54,6 +54,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -1390,14 +1391,27 @@ class _Spill:
             self._lock = None
 
 
-def remove_orphans(root: Path) -> list[Path]:
+HIDDEN_GRACE_S = 600  # a hidden spill directory this old whose lock nobody holds (or has none) is garbage
+
+
+def remove_orphans(root: Path, now: float | None = None) -> list[Path]:
     """Remove the spill directories under `root` whose lock no process holds (left by a killed
-    run); returns them.  A directory whose lock file cannot be opened is kept (not provably garbage)."""
+    run); returns them.  A directory whose lock file cannot be opened is kept (not provably garbage) —
+    except a hidden one (`.isotropy-spill-*`: a run killed between creating it and locking it, a few
+    microseconds) older than HIDDEN_GRACE_S: no live run leaves one unlocked that long."""
     removed = []
     if fcntl is None:
         return removed
-    for d in root.glob(_Spill.PREFIX + "*"):
+    now = time.time() if now is None else now
+    for d in [*root.glob(_Spill.PREFIX + "*"), *root.glob("." + _Spill.PREFIX + "*")]:
+        hidden = d.name.startswith(".")
         try:
+            if hidden and now - d.stat().st_mtime < HIDDEN_GRACE_S:
+                continue
+            if hidden and not (d / "lock").exists():
+                shutil.rmtree(d, ignore_errors=True)
+                removed.append(d)
+                continue
             with open(d / "lock", "r+") as f:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 shutil.rmtree(d, ignore_errors=True)

@@ -239,6 +239,27 @@ def test_only_orphans_are_swept(tmp_path):
     live.close()
 
 
+def test_a_hidden_spill_directory_left_before_its_lock_goes_only_when_old(tmp_path):
+    """A run killed between creating its (hidden) spill directory and locking it leaves
+    `.isotropy-spill-*` with no lock: removed once older than the grace (no live run stays unlocked
+    that long), kept while young; a hidden one whose lock a live process holds is kept at any age."""
+    import fcntl
+    import time
+
+    from extract import accumulate
+
+    old, young, held = (tmp_path / f".isotropy-spill-{n}" for n in ("old", "young", "held"))
+    for d in (old, young, held):
+        d.mkdir()
+    with open(held / "lock", "w") as f:  # flock is per open file: remove_orphans' own open cannot take it
+        fcntl.flock(f, fcntl.LOCK_EX)
+        then = time.time() - accumulate.HIDDEN_GRACE_S - 5
+        for d in (old, held):
+            os.utime(d, (then, then))
+        assert remove_orphans(tmp_path) == [old]
+        assert young.exists() and held.exists()
+
+
 def test_spill_everything_then_a_lower_budget(unbudgeted, tmp_path):
     """What a split source does when a new value arrives (extract/run.py, accumulate_split): the
     budget is lowered and `spill()` evicts every type and releases the table; the sums still equal
