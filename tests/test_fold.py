@@ -255,39 +255,6 @@ def test_compact_folds_pending_partials_first(tmp_path):
     check_against(root, want)
 
 
-def test_cli_no_fold_then_merge_equals_folding_extracts(tmp_path, sources, model_factory):
-    """The user's path: two `extract --no-fold` shards (moments, samples, sequences: every merged
-    table), `sql` says they are pending, `cli.py merge` folds them; every view equals two folding
-    extracts."""
-    model = model_factory("gpt_neox", tied=False)
-
-    def extract(wh, shard, *extra):
-        code, _, err = run_cli("extract", "--model", model, "--source", f"alpha={sources['alpha']}",
-                               "--source", f"beta={sources['beta']}", "--warehouse", wh, "--max-length", 32,
-                               "--shard", shard, "--moments", "--cross-moments", "--sample", 40, "--sequences", *extra)
-        assert code == 0, err
-
-    a, b = tmp_path / "a", tmp_path / "b"
-    for shard in ("1/2", "2/2"):
-        extract(a, shard, "--no-fold")
-        extract(b, shard)
-    code, out, err = run_cli("sql", "SELECT count(*) FROM runs WHERE NOT folded", "--warehouse", a, "--format", "csv")
-    assert code == 0 and out.splitlines()[1] == "4", (out, err)
-    assert "note: 4 committed partial(s)" in err and "cli.py merge" in err and len(err.splitlines()) == 1
-    code, _, err = run_cli("merge", "--warehouse", a)
-    assert code == 0 and "folded 4 pending partial(s)" in err, err
-    code, _, err = run_cli("sql", "SELECT 1", "--warehouse", a)
-    assert "note:" not in err
-    assert _snapshot(a) == _snapshot(b)
-    for table in ("moments_merged", "samples_merged", "sequence_moments_merged", "massive_merged", "spectrum"):
-        q = f"SELECT count(*) FROM {table}"
-        ca, cb = connect(a), connect(b)
-        assert ca.execute(q).fetchone() == cb.execute(q).fetchone() != (0,), table
-        ca.close()
-        cb.close()
-    assert run_cli("validate", "--warehouse", a)[0] == 0
-
-
 def test_a_fold_hashes_each_partial_at_most_once(tmp_path, monkeypatch):
     """The fold verifies its inputs against their records; a file this process wrote (a sweep) is not
     read again to hash it, and one written elsewhere is hashed once, not once per group."""

@@ -698,9 +698,11 @@ def test_a_cache_line_naming_another_checksum_is_not_trusted(tmp_path, monkeypat
 
 
 def test_no_fold_rerun_while_pending_and_while_held_equals_folding_extracts(tmp_path, sources, model_factory):
-    """Shards 1/2 and 2/2 appended with moments, samples, sequences (massive rows too); shard 1/2
-    re-run while pending; merge; shard 2/2 re-run appended while held (un-folded in that record);
-    every view and every merged table equals two folding extracts (the runs are deterministic)."""
+    """The user's path: shards 1/2 and 2/2 appended (`extract --no-fold`) with moments, cross moments,
+    samples, sequences (massive rows too); `sql` says they are pending in one `note:` line; shard 1/2
+    re-run while pending; `cli.py merge`; shard 2/2 re-run appended while held (un-folded in that
+    record); every view and every merged table equals two folding extracts (the runs are deterministic).
+    (It took over tests/test_fold.py's test of the same path, session 17.)"""
     model = model_factory("gpt_neox", tied=False)
 
     def extract(wh, shard, *extra):
@@ -713,9 +715,14 @@ def test_no_fold_rerun_while_pending_and_while_held_equals_folding_extracts(tmp_
     for shard in ("1/2", "2/2"):
         extract(a, shard, "--no-fold")
         extract(b, shard)
+    code, out, err = run_cli("sql", "SELECT count(*) FROM runs WHERE NOT folded", "--warehouse", a, "--format", "csv")
+    assert code == 0 and out.splitlines()[1] == "4", (out, err)  # the user is told, in one line
+    assert "note: 4 committed partial(s)" in err and "cli.py merge" in err and len(err.splitlines()) == 1
     extract(a, "1/2", "--no-fold")  # pending: just replaced
     _invariants(a)
-    assert run_cli("merge", "--warehouse", a)[0] == 0
+    code, _, err = run_cli("merge", "--warehouse", a)
+    assert code == 0 and "folded 4 pending partial(s)" in err, err
+    assert "note:" not in run_cli("sql", "SELECT 1", "--warehouse", a)[2]
     extract(a, "2/2", "--no-fold")  # held: un-folded and folded again in this record
     manifest = store.read_manifest(a)
     assert merge.pending(manifest) == {}
