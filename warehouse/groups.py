@@ -16,6 +16,7 @@ from isotropy_warehouse.errors import UserError
 
 from . import store
 from .storage import Checked, open_storage
+from .store import partial_id
 
 ALL = "all"
 
@@ -37,7 +38,7 @@ def _data_by_pair(manifest: dict) -> dict[tuple[str, str], list[dict]]:
 
 
 def _inputs(entries: Iterable[dict]) -> list[str]:
-    return sorted(e["run_id"] + ":" + e["key"] for e in entries)
+    return sorted(partial_id(e) for e in entries)
 
 
 def repair_hint(entry: dict) -> str:
@@ -85,11 +86,6 @@ def check_open(manifest: dict, model: str, checkpoint: str) -> None:
 
 
 # ---------------------------------------------------------------- what each group holds
-
-
-def partial_id(entry: dict) -> str:
-    """How a merged entry's `inputs` name a partial: its run and key (a re-run is another partial)."""
-    return entry["run_id"] + ":" + entry["key"]
 
 
 def expected_groups(manifest: dict) -> dict[str, tuple[str, str, str, list[dict]]]:

@@ -661,6 +661,11 @@ def write_runs_table(root, manifest: dict) -> None:
     atomic_write_bytes(root, RUNS_FILE, sink.getvalue().to_pybytes())
 
 
+def partial_id(entry: dict) -> str:
+    """How a merged entry's `inputs` name a partial: its run and key (a re-run is another partial)."""
+    return entry["run_id"] + ":" + entry["key"]
+
+
 def runs_table(manifest: dict) -> pa.Table:
     """One row per manifest entry (the `runs` view), tagged with the manifest's generation."""
     rows = []
@@ -669,7 +674,7 @@ def runs_table(manifest: dict) -> pa.Table:
     def folded(e: dict) -> bool | None:  # (groups.py: a partial is pending until both its groups hold it)
         if e["kind"] != "data":
             return None
-        pid = e["run_id"] + ":" + e["key"]
+        pid = partial_id(e)
         return all(pid in inputs.get(entry_key("merged", e["model"], e["checkpoint"], g), ()) for g in (e["source"], "all"))
 
     for e in manifest["entries"].values():
