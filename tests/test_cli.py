@@ -98,10 +98,10 @@ _LOADED = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path
 
 @pytest.mark.parametrize("command", [
     ["sql", "SELECT count(*) FROM inter_sim, anisotropy, isotropy, intrinsic_dim, linearity"],
-    ["validate"], ["views"], ["report", "--out", "{tmp}/report"], ["pull", "--to", "{tmp}/copy"], ["compact"],
+    ["validate"], ["views"], ["report", "--out", "{tmp}/report"], ["pull", "--to", "{tmp}/copy"], ["compact"], ["merge"],
 ])
 def test_query_side_imports_neither_torch_nor_transformers(single, tmp_path, command):
-    """sql, report, validate, views, pull and compact never load torch or transformers (start-up cost)."""
+    """sql, report, validate, views, pull, compact and merge never load torch or transformers (start-up cost)."""
     import shutil
 
     wh = tmp_path / "wh"
