@@ -62,8 +62,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from isotropy_warehouse import faults
-from isotropy_warehouse.errors import UserError
+from common import faults
+from common.errors import UserError
 
 from .sequences import chunk_terms, row_terms
 

@@ -29,7 +29,7 @@ from typing import Iterable
 
 import torch
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 from warehouse import store
 from warehouse.storage import open_storage
 

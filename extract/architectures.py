@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 ROLES = ("embedding", "blocks", "final_norm", "unembedding")
 

@@ -14,7 +14,7 @@ import logging
 
 from transformers import TrainerCallback
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 from .api import SETTING_DEFAULTS, make_sources, open_warehouse, probe_isotropy
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 from .accumulate import Moments, TokenSums
 from .hooks import capture_layers, layer_kinds

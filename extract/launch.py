@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 
 @dataclass(frozen=True)

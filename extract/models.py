@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .architectures import Layout, discover, get_module, text_config
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 PYTHIA_SIZES = ("14m", "31m", "70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")
 PYTHIA_ALIASES = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 from extract.launch import Launch, detect, device_for
 from extract.models import DTYPES, ModelRef, resolve_model, select_checkpoints
 from extract.sources import Source, parse_shard, parse_source

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 MAGIC = b"MMIDIDX\x00\x00"
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float64, 8: np.uint16}

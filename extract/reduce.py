@@ -38,7 +38,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from isotropy_warehouse import faults
+from common import faults
 
 DEFAULT_TIMEOUT_S = 24 * 3600.0  # ranks wait for the slowest one's forward passes at the first reduce
 

@@ -23,9 +23,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from isotropy_warehouse import faults
-from isotropy_warehouse.errors import UserError
-from isotropy_warehouse.progress import progress
+from common import faults
+from common.errors import UserError
+from common.progress import progress
 from warehouse import merge, query, schema, store
 from warehouse.storage import open_storage
 

@@ -30,8 +30,8 @@ from typing import Iterator
 
 import numpy as np
 
-from isotropy_warehouse import faults
-from isotropy_warehouse.errors import UserError
+from common import faults
+from common.errors import UserError
 
 from .pythia import PythiaBatches, open_batches, parse_steps, training_rows
 from .pythia import fingerprint as pythia_fingerprint

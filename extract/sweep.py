@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 from warehouse.storage import durable_temp
 
 if sys.version_info >= (3, 11):

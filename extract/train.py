@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from isotropy_warehouse.errors import UserError
-from isotropy_warehouse.progress import progress
+from common.errors import UserError
+from common.progress import progress
 from .sources import ReadStats, Source, documents
 
 

@@ -1,8 +1,4 @@
-"""isotropy-warehouse: the command line (`cli`) and what every layer shares (`errors`, `faults`).
-
-The layers themselves are the top-level packages `extract` (model → sums) and `warehouse` (files,
-commits, merging, views, report); this package holds only the lowest shared pieces and the highest
-(the command line), so it imports nothing at import time.
-"""
+"""isotropy-warehouse's command line (`cli`), the top floor: it parses options and calls `extract`
+(model → sums) and `warehouse` (files, commits, merging, views, report), which stand on `common`."""
 
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 import typer.core
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 typer.core.HAS_RICH = False  # usage errors as plain text: "Error: Invalid value for ..." on one line
 

@@ -11,7 +11,7 @@ import torch
 
 from conftest import run_cli, views
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 
 def _load(path, **config):

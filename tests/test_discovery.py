@@ -12,7 +12,7 @@ import torch
 import reference as ref
 from conftest import ROOT, run_cli
 from extract.architectures import OVERRIDES, discover, parse_module_overrides
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 from extract.models import forward_kwargs
 from warehouse.query import connect
 

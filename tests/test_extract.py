@@ -20,7 +20,7 @@ from conftest import run_cli
 from test_gpu_path import _assert_same
 from extract import accumulate
 from extract.accumulate import Moments, TokenSums
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 from extract.models import paper_checkpoints, parse_step, resolve_model
 from extract.sources import ReadStats, Source, SentenceSplitter, documents, parse_shard
 from warehouse.query import connect

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from conftest import run_cli
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 from test_merge import _partial, _snapshot, check_against, oracle
 from test_reliability import run_subprocess
 from warehouse import merge, store

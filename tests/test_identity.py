@@ -220,7 +220,7 @@ def test_sql_refuses_every_writing_statement_in_one_line(wh, tmp_path):
 
 
 def test_connect_connections_cannot_write_reach_files_or_load_extensions(wh, tmp_path):
-    from isotropy_warehouse.errors import UserError
+    from common.errors import UserError
     from warehouse.query import connect
 
     before, outside = tree(wh), tree(tmp_path)
@@ -241,7 +241,7 @@ def test_connect_connections_cannot_write_reach_files_or_load_extensions(wh, tmp
 def test_no_connect_connection_path_can_overwrite_a_listed_file(wh, tmp_path):
     """DuckDB's allowed_paths grants writing too: every way through the API that `connect()` hands
     out — statements, cursors, duplicates, relations' writers, relation.query — is refused."""
-    from isotropy_warehouse.errors import UserError
+    from common.errors import UserError
     from warehouse.query import connect
 
     listed = next((wh / "tables" / "token_stats").rglob("*.parquet"))
@@ -286,7 +286,7 @@ def test_no_connect_connection_path_can_overwrite_a_listed_file(wh, tmp_path):
 
 
 def test_python_sql_refuses_writes(wh, tmp_path):
-    from isotropy_warehouse.errors import UserError
+    from common.errors import UserError
     from warehouse.query import sql
 
     with pytest.raises(UserError, match="read-only"):

@@ -4,7 +4,6 @@ moments and samples; validate against tampering; kills during merge and compacti
 
 from __future__ import annotations
 
-import ast
 import json
 import shutil
 import sys
@@ -15,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 from conftest import ROOT, run_cli
 from warehouse import commits, fold_tokens, merge, store
 from warehouse import fold as fold_module
@@ -354,72 +353,6 @@ def test_kill_9_during_compaction(moments_wh, workdir, point, after):
     if after:
         files = lambda r: sorted(str(p.relative_to(r)) for p in (r / "tables").rglob("*.parquet"))  # noqa: E731
         assert len(files(wh)) == len(files(done))
-
-
-# ---------------------------------------------------------------- layering
-
-LAYERS = {  # module → the project modules it may import
-    "isotropy_warehouse": set(),
-    "warehouse.storage": {"isotropy_warehouse"},
-    "warehouse.schema": {"isotropy_warehouse"},
-    "warehouse.measures": set(),
-    "warehouse.store": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema"},
-    # merging, by role: groups ← fold_tokens ← fold; coverage; commits ← checks, compaction; merge (their face)
-    "warehouse.groups": {"isotropy_warehouse", "warehouse.storage", "warehouse.store"},
-    "warehouse.coverage": {"isotropy_warehouse"},
-    "warehouse.fold_tokens": {"isotropy_warehouse", "warehouse.storage", "warehouse.store", "warehouse.groups"},
-    "warehouse.fold": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store",
-                       "warehouse.measures", "warehouse.groups", "warehouse.fold_tokens"},
-    "warehouse.commits": {"isotropy_warehouse", "warehouse.storage", "warehouse.store", "warehouse.groups",
-                          "warehouse.coverage", "warehouse.fold"},
-    "warehouse.checks": {"isotropy_warehouse", "warehouse.storage", "warehouse.groups", "warehouse.fold",
-                         "warehouse.commits"},
-    "warehouse.compaction": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store",
-                             "warehouse.groups", "warehouse.commits"},
-    "warehouse.merge": {"warehouse.storage", "warehouse.groups", "warehouse.fold", "warehouse.coverage",
-                        "warehouse.commits", "warehouse.checks", "warehouse.compaction"},
-    "warehouse.query": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge"},
-    "warehouse.validate": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge",
-                           "warehouse.query"},
-    "warehouse.pull": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.merge",
-                       "warehouse.query"},
-    "warehouse.report": {"isotropy_warehouse", "warehouse.storage", "warehouse.schema", "warehouse.store", "warehouse.query",
-                         "warehouse.measures"},
-}
-
-
-def _imports(path: Path, package: str) -> set[str]:
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package if node.level == 1 else package.rsplit(".", node.level - 1)[0]
-                mod = f"{base}.{node.module}" if node.module else base
-                out |= {mod} if node.module else {f"{base}.{a.name}" for a in node.names}
-            else:
-                out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return {m for m in out if m.split(".")[0] in ("isotropy_warehouse", "warehouse", "extract")}
-
-
-def _project(name: str) -> str:
-    parts = name.split(".")
-    return "isotropy_warehouse" if parts[0] == "isotropy_warehouse" else ".".join(parts[:2])
-
-
-def test_layers_import_only_below_themselves():
-    shared = [ROOT / "isotropy_warehouse" / n for n in ("__init__.py", "errors.py", "faults.py")]
-    for path in sorted((ROOT / "warehouse").glob("*.py")) + shared:
-        mod = path.stem if path.parent.name == "isotropy_warehouse" else f"warehouse.{path.stem}"
-        if mod in ("warehouse.__init__",) or path.parent.name == "isotropy_warehouse":
-            assert not {_project(m) for m in _imports(path, path.parent.name)} - {"isotropy_warehouse"}, path
-            continue
-        used = {_project(m) for m in _imports(path, "warehouse")} - {mod, "warehouse.__init__", "warehouse"}
-        assert not any(m.startswith("extract") for m in used), f"{path.name} imports extract/"
-        assert used <= LAYERS[mod], f"{path.name} imports {sorted(used - LAYERS[mod])}"
-    src = (ROOT / "warehouse" / "measures.py").read_text()
-    assert not any(w in src for w in ("open(", "pyarrow", "duckdb", "Path(")), "measures.py does I/O"
 
 
 # ---------------------------------------------------------------- the lock-free commit log

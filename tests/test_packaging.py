@@ -17,7 +17,7 @@ from pathlib import Path
 from conftest import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = ("pyproject.toml", "README.md", "isotropy_warehouse", "extract", "warehouse", "queries")
+SHIPPED = ("pyproject.toml", "README.md", "common", "isotropy_warehouse", "extract", "warehouse", "queries")
 
 
 def _child_env() -> dict:
@@ -45,7 +45,7 @@ def test_wheel_in_a_fresh_venv_answers_a_view(tmp_path, sources, model_factory):
     assert len(sqls) >= 30
     assert {f"warehouse/queries/{n}" for n in sqls} <= names, "the wheel lacks queries/*.sql"
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert tops == {"isotropy_warehouse", "extract", "warehouse"}, tops
+    assert tops == {"common", "isotropy_warehouse", "extract", "warehouse"}, tops
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)

@@ -1,5 +1,5 @@
 """Never silent for minutes: with stderr not a terminal (a log file, nohup, a notebook), train, extract and
-report print plain progress lines (isotropy_warehouse/progress.py); on a terminal the tqdm bar as before."""
+report print plain progress lines (common/progress.py); on a terminal the tqdm bar as before."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from isotropy_warehouse.progress import Lines, progress
+from common.progress import Lines, progress
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -52,7 +52,7 @@ def test_extract_writes_progress_lines_into_a_log_file(tmp_path, sources, model_
 
 def test_lines_every_interval_or_ten_percent(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr("isotropy_warehouse.progress.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("common.progress.time.monotonic", lambda: clock[0])
     f = io.StringIO()
     bar = Lines("x", total=10_000, unit="tok", file=f, every=30)
     for _ in range(99):  # 99 tokens a second: 10 % after 10.1 s, then every ~10 s; 30 s never passes first
@@ -91,7 +91,7 @@ def test_a_short_step_or_a_failed_one_prints_no_done_line(monkeypatch):
     """A step shorter than a sixth of the interval that printed nothing ends silently (the command's
     own summary or one-line error follows); a failed step never says "done"."""
     clock = [0.0]
-    monkeypatch.setattr("isotropy_warehouse.progress.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("common.progress.time.monotonic", lambda: clock[0])
     f = io.StringIO()
     with Lines("short", total=100, unit="tok", file=f, every=30) as bar:
         clock[0] += 4.0

@@ -1,6 +1,6 @@
 """Reliability: kill -9 anywhere, concurrent writers, and the catalogue of bad input.
 
-Kills are injected with ISO_FAULT=point[:n] (isotropy_warehouse/faults.py), which SIGKILLs the extract
+Kills are injected with ISO_FAULT=point[:n] (common/faults.py), which SIGKILLs the extract
 process the n-th time it reaches the point: while reading, after a forward pass, while writing
 Parquet, before a file is renamed into place, before and after the manifest is replaced, before
 stale files are removed, before the derived tables are committed."""
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ROOT, run_cli
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 from extract.sources import ReadStats, Source, documents
 from warehouse.query import connect
 

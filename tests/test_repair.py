@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import ROOT, run_cli
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 from test_reliability import extract_args, run_subprocess, snapshot
 from warehouse import merge, store
 from warehouse.validate import validate

@@ -14,7 +14,7 @@ import time
 import polars as pl
 import pytest
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 from conftest import ROOT, run_cli, same_numbers, same_rows, views
 
 BUCKET = "iso-warehouse"

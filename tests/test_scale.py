@@ -43,7 +43,7 @@ def test_views_bind_by_one_file_and_read_every_dtype_exactly(tmp_path, monkeypat
     them: token_sums returns every partial's stored vectors exactly, float16/float32/float64 mixed,
     whichever file sorts first.  connect() itself now refuses the broken files (it verifies every
     listed file's checksum), so the binding is checked with that verification switched off."""
-    from isotropy_warehouse.errors import UserError
+    from common.errors import UserError
     from warehouse import query
     from warehouse.query import connect
 

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 from conftest import ROOT, run_cli, same_numbers, same_rows, views
 from extract.launch import Launch, detect, device_for
 

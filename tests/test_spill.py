@@ -15,7 +15,7 @@ import torch
 
 from conftest import ROOT, run_cli
 from extract.accumulate import TokenSums, _SlotTable, remove_orphans
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 from warehouse.query import connect
 
 L, V, D = 3, 1500, 8

@@ -8,7 +8,7 @@ from collections import defaultdict
 import numpy as np
 import pyarrow as pa
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 from .storage import Storage, open_storage
 

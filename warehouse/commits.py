@@ -21,8 +21,8 @@ from collections import defaultdict
 from typing import Iterable
 
 
-from isotropy_warehouse import faults
-from isotropy_warehouse.errors import UserError
+from common import faults
+from common.errors import UserError
 
 from . import store
 from .storage import open_storage

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from isotropy_warehouse import faults
-from isotropy_warehouse.errors import UserError
+from common import faults
+from common.errors import UserError
 
 from . import schema, store
 from .storage import Storage, open_storage

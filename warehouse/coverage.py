@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 
 # ---------------------------------------------------------------- what a partial covers

@@ -19,7 +19,7 @@ from collections import defaultdict
 import numpy as np
 import pyarrow as pa
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 from . import store
 from .storage import Storage

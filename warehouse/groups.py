@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Iterable
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 from . import store
 from .storage import Checked, open_storage

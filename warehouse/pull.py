@@ -11,7 +11,7 @@ visible state, and running it again finishes it.
 
 from __future__ import annotations
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 from . import merge, query, schema, store
 from .storage import HashingStream, Storage, open_storage

@@ -25,7 +25,7 @@ from pathlib import Path
 import duckdb
 import pyarrow.dataset as ds
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 from . import merge, schema, store
 from . import storage

@@ -19,9 +19,9 @@ import altair as alt
 import duckdb
 import polars as pl
 
-from isotropy_warehouse.progress import progress
+from common.progress import progress
 
-from isotropy_warehouse.errors import UserError
+from common.errors import UserError
 
 from . import store
 from .query import connect, duckdb_error_line

@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from isotropy_warehouse import faults
-from isotropy_warehouse.errors import UserError
+from common import faults
+from common.errors import UserError
 
 _OPEN: dict[str, "Storage"] = {}  # one probed S3 storage per URL and process
 

@@ -50,8 +50,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from isotropy_warehouse import faults
-from isotropy_warehouse.errors import UserError
+from common import faults
+from common.errors import UserError
 
 from . import schema
 from .storage import HASH, HashingStream, Storage, checksum, open_storage

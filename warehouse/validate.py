@@ -33,8 +33,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from isotropy_warehouse import faults
-from isotropy_warehouse.errors import UserError
+from common import faults
+from common.errors import UserError
 
 from . import merge, query, schema, store
 from .storage import Storage, open_storage, verify
