@@ -105,7 +105,7 @@ def _dump(repo: Path, wh: Path) -> dict:
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=repo)
     if r.returncode:
         raise SystemExit(f"dump of {wh} failed:\n{r.stderr[-3000:]}")
-    raw = json.loads(r.stdout)
+    raw = json.loads(r.stdout.strip().splitlines()[-1])  # DuckDB may print a progress bar first
     out = {}
     for view, t in raw.items():
         keep = [i for i, c in enumerate(t["columns"]) if c not in VOLATILE]
