@@ -125,7 +125,7 @@ def test_a_failed_recompile_falls_back_to_eager_with_one_warning():
 
 
 def test_recompile_limit_is_an_error_not_a_silent_eager_fallback():
-    """torch's recompile limit, hit inside `_run_compiled`, raises (instead of torch running the step
+    """torch's recompile limit, hit inside `run_compiled`, raises (instead of torch running the step
     eagerly without a word): `add` falls back to its own eager path with one warning, the path
     recorded, the sums right.  (dynamo's "eager" backend and a limit of 1: fast; a dtype change forces
     the recompile.  The limit is set with torch's own `config.patch`, not monkeypatch: see
@@ -185,7 +185,7 @@ def test_bf16_product_probe_runs_on_the_rows_device_and_its_fallback_warns(monke
 
 
 def test_the_probe_itself_fails_closed(monkeypatch):
-    """`_mm_out_dtype` on a device whose torch.mm rejects `out_dtype` answers False (not an error)."""
+    """`mm_out_dtype` on a device whose torch.mm rejects `out_dtype` answers False (not an error)."""
     matmul.mm_out_dtype.cache_clear()
 
     def mm(*a, **k):
