@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from extract.accumulate import Moments  # noqa: E402
+from extract.accumulate.moments import Moments  # noqa: E402
 
 
 def feed(batches, L: int, d: int, ratio_cut: float, chunk: int):

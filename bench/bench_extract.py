@@ -29,7 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from extract.accumulate import PRECISIONS, SCATTERS, Moments, Sample, TokenSums  # noqa: E402
+from extract.accumulate.moments import PRECISIONS, Moments  # noqa: E402
+from extract.accumulate.sample import Sample  # noqa: E402
+from extract.accumulate.sums import TokenSums  # noqa: E402
 from extract.architectures import discover, get_module  # noqa: E402
 from extract.hooks import capture_layers, layer_kinds  # noqa: E402
 from extract.models import DTYPES, forward_kwargs, load, resolve_model, to_compute  # noqa: E402
@@ -119,7 +121,6 @@ def main() -> None:
     ap.add_argument("--cross-moments", action="store_true", help="with --moments: also Σ h_l h_{l+1}ᵀ (extract --cross-moments)")
     ap.add_argument("--moments-precision", default=None, choices=list(PRECISIONS),
                     help="default: bfloat16 on cuda with --dtype bfloat16 (as extract), else float32")
-    ap.add_argument("--scatter", default="atomic", choices=list(SCATTERS), help="how the token sums are added")
     ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                     help="moments off the forward's path: a thread on a CPU (default there), a side stream on cuda")
     ap.add_argument("--sample", type=int, default=0, help="also keep a bottom-k sample of K vectors per layer")
@@ -153,8 +154,7 @@ def main() -> None:
         mask = torch.ones_like(batches[0])
         counted = torch.ones_like(host[0], dtype=torch.bool)
         budget = int(args.budget * 2**30) if args.budget else None
-        acc = TokenSums(len(kinds), args.vocab, args.hidden, args.device, budget=budget, fused=args.fused,
-                        scatter=args.scatter)
+        acc = TokenSums(len(kinds), args.vocab, args.hidden, args.device, budget=budget, fused=args.fused)
         if args.moments_precision is None:
             args.moments_precision = ("bfloat16" if args.device.startswith("cuda") and args.dtype == "bfloat16"
                                       else "float32")
@@ -225,7 +225,7 @@ def main() -> None:
               f"{args.device} {args.dtype}; threads {torch.get_num_threads()}; "
               f"moments {args.moments_precision if args.moments else 'off'} (overlap "
               f"{acc.moments is not None and acc.moments._worker is not None}), sample {args.sample}, "
-              f"fused {acc._fused is not None}, scatter {args.scatter}")
+              f"fused {acc._fused is not None}")
         print(f"batches: {args.batches} x ({args.batch} x {args.seq}) tokens, {args.repeats} passes, {tokens} tokens each")
         print(f"bare forward : {tokens / t_bare:10.0f} tok/s  ({t_bare:.2f} s)")
         print(f"extraction   : {tokens / t_ext:10.0f} tok/s  ({t_ext:.2f} s)")

@@ -1,7 +1,7 @@
 """The token sums under a memory budget at Llama-3 / Gemma vocabularies (issue 36): spill bytes
 written and read and tokens/s against no budget.
 
-What runs: `TokenSums` (extract/accumulate.py) on the CPU fed directly, no forward pass — a
+What runs: `TokenSums` (extract/accumulate/sums.py) on the CPU fed directly, no forward pass — a
 Zipf(a) stream of token ids over V types (ranks shuffled over the ids) and, per layer index,
 synthetic hidden states (B·T rows of d float32, cut from a fixed pool of random rows at a random
 offset: the values do not matter for the tables, only the ids do).  --layers 3 is a 2-block model's
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from extract.accumulate import TokenSums  # noqa: E402
+from extract.accumulate.sums import TokenSums  # noqa: E402
 
 
 def zipf_ids(vocab: int, a: float, n: int, seed: int) -> np.ndarray:

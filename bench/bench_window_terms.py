@@ -1,5 +1,4 @@
 """Per-batch CPU time of the token-sum pass with and without the per-window measures (`--sequences`),
-and against an older checkout of `extract/` (`--old DIR`: DIR/extract is imported as `extract_old`),
 the variants interleaved batch by batch in one process so that a shared machine's drift hits them
 alike.  No model: random hidden states, the token sums' CPU path (`TokenSums._add_chunked`),
 `WindowMeasures` inline without moments (no background thread: the time is all the work) or, with
@@ -7,34 +6,18 @@ alike.  No model: random hidden states, the token sums' CPU path (`TokenSums._ad
 Prints min and median ms per batch and layer, and the median of minor page faults per batch
 (fresh pages for large temporaries: what differs between interleaved and separate runs).
 
-    git archive be39a7c extract | tar -x -C /tmp/old
-    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_window_terms.py --old /tmp/old --batch 8 --seq 512
-    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_window_terms.py --old /tmp/old --batch 250 --seq 16
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_window_terms.py --batch 8 --seq 512
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_window_terms.py --batch 250 --seq 16
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import resource
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-
-def _load_old(root: str):
-    """DIR/extract as the package `extract_old` (its imports inside the package are relative)."""
-    spec = importlib.util.spec_from_file_location("extract_old", Path(root) / "extract" / "__init__.py",
-                                                  submodule_search_locations=[str(Path(root) / "extract")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["extract_old"] = mod
-    spec.loader.exec_module(mod)
-    import extract_old.accumulate
-    import extract_old.sequences
-    return extract_old
 
 
 def main() -> None:
@@ -47,11 +30,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--moments", action="store_true", help="moments on (their background thread; wall time)")
-    ap.add_argument("--old", help="a checkout whose extract/ is compared (e.g. git archive of an older commit)")
     a = ap.parse_args()
-    import extract
-    import extract.accumulate
-    import extract.sequences
+    from extract.accumulate.moments import Moments
+    from extract.accumulate.sums import TokenSums
+    from extract.sequences import WindowMeasures
 
     gen = torch.Generator().manual_seed(0)
     B, T, d, L = a.batch, a.seq, a.d, a.layers
@@ -63,22 +45,15 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, d {d}, B×T {B}×{T}, "
           f"M {int(counted.sum())}, {L} layers, {a.dtype}{', moments on their thread' if a.moments else ''}, "
           f"{a.reps} batches each, interleaved")
-    pkgs = [("current", extract)] + ([("old", _load_old(a.old))] if a.old else [])  # current: extract/ on PYTHONPATH
     variants = []  # (name, accumulator)
-    for tag, pkg in pkgs:
-        for kind in ("token sums alone", "+ --sequences", "+ --sequences, terms in their own pass"):
-            TokenSums = pkg.accumulate.TokenSums
-            if "own pass" in kind and not hasattr(TokenSums, "WINDOW_TERMS"):
-                continue
-            acc = TokenSums(L, a.vocab, d, "cpu")
-            if a.moments:
-                acc.moments = pkg.accumulate.Moments(L, d, "cpu")
-            if "sequences" in kind:
-                acc.extra = pkg.sequences.WindowMeasures(L, d, "cpu",
-                                                         worker=acc.moments._worker if a.moments else None)
-            if hasattr(TokenSums, "WINDOW_TERMS") and "sequences" in kind:  # fused, or not, whatever the thread
-                acc.WINDOW_TERMS = "own pass" not in kind
-            variants.append((f"{tag}: {kind}", acc, [], []))
+    for kind in ("token sums alone", "+ --sequences", "+ --sequences, terms in their own pass"):
+        acc = TokenSums(L, a.vocab, d, "cpu")
+        if a.moments:
+            acc.moments = Moments(L, d, "cpu")
+        if "sequences" in kind:
+            acc.extra = WindowMeasures(L, d, "cpu", worker=acc.moments._worker if a.moments else None)
+            acc.WINDOW_TERMS = "own pass" not in kind  # fused, or not, whatever the thread
+        variants.append((kind, acc, [], []))
     for rep in range(a.reps + 3):
         for name, acc, times, faults in variants:
             f = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -1,7 +1,7 @@
 """Fault injection for the reliability tests: `ISO_FAULT=point[:n]` kills the process with
 SIGKILL the n-th time (default 1st) execution reaches `point`.  Unset, `hit()` is one dict
 lookup.  Points: read, forward, write, close, merge (merged files written, manifest not yet),
-manifest, views, gc, compact, spill (between the layers of a spill run, extract/accumulate.py), reduce (a
+manifest, views, gc, compact, spill (between the layers of a spill run, extract/accumulate/spill.py), reduce (a
 torchrun rank, before its sums are reduced), lease (before a writer's lease is created), release (record
 created, lease not yet removed), quarantine (before validate --fix moves a file), move (S3: copied
 into the quarantine, original not yet deleted), pause (merged files written, record not yet: waits

@@ -44,7 +44,7 @@ SETTING_DEFAULTS = {
     "unit": "document", "max_length": None, "max_tokens": None, "batch_size": None, "batch_tokens": None,
     "device": None, "dtype": None, "shard": None, "vector_dtype": "float32", "params_only": False,
     "accumulator_device": None, "moments": True, "cross_moments": False, "moments_precision": None,
-    "scatter": "atomic", "sequences": None, "prompt_entropy": False, "sample": 0, "skip_done": False,
+    "sequences": None, "prompt_entropy": False, "sample": 0, "skip_done": False,
     "trust_remote_code": False, "special_tokens": False, "memory_budget": None, "spill_dir": None,
     "module": None, "split_limit": 64, "compact": False, "replace": False, "fold": True,
     # source options

@@ -28,7 +28,8 @@ import torch
 
 from common.errors import UserError
 
-from .accumulate import Moments, TokenSums
+from .accumulate.moments import Moments
+from .accumulate.sums import TokenSums
 from .hooks import capture_layers, layer_kinds
 from .models import DTYPES, check_dtype, load, resolve_model, to_compute
 from .run import (Settings, SourceResult, _forward, base_forward, batch_limits, batches, check_moments_precision,
@@ -209,7 +210,7 @@ def doctor(model: str, device: str | None = None, dtype: str | None = None, seco
         "peak_memory_bare_bytes": peak_bare,
         "paths": paths, "warnings": caught, "check": check,
         "settings": {k: v for k, v in asdict(settings).items() if k in ("device", "dtype", "moments", "moments_precision",
-                                                                          "scatter", "max_length", "batch_tokens")},
+                                                                          "max_length", "batch_tokens")},
         "versions": {**package_versions(), "cuda": torch.version.cuda, "platform": platform.platform(),
                      "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()},
     }

@@ -67,7 +67,6 @@ def revisions(ref: ModelRef, checkpoint: list[str] | None, checkpoints: str | No
 
 def make_settings(o: dict, launch: Launch, cuda_available: bool):
     """The Settings of a run from the extract options `o` (source options aside)."""
-    from extract.accumulate import SCATTERS
     from extract.architectures import parse_module_overrides
     from extract.run import Settings, check_moments_precision
 
@@ -89,8 +88,6 @@ def make_settings(o: dict, launch: Launch, cuda_available: bool):
         raise UserError("--prompt-entropy is a per-window measure: it cannot go with --no-sequences")
     if o["cross_moments"] and not o["moments"]:
         raise UserError("--cross-moments are moments between layers: they cannot go with --no-moments")
-    if o["scatter"] not in SCATTERS:
-        raise UserError(f"--scatter {o['scatter']!r}: expected one of {', '.join(SCATTERS)}")
     precision = check_moments_precision(o["moments_precision"], o["accumulator_device"] or device, dtype)
     for name in ("batch_size", "batch_tokens", "max_length", "max_tokens"):
         if o[name] is not None and o[name] < 1:
@@ -104,7 +101,7 @@ def make_settings(o: dict, launch: Launch, cuda_available: bool):
                     params_only=o["params_only"], accumulator_device=o["accumulator_device"],
                     skip_done=o["skip_done"], moments=o["moments"], cross_moments=o["cross_moments"],
                     moments_precision=precision,
-                    scatter=o["scatter"], sequences=bool(o["sequences"] or o["prompt_entropy"]),
+                    sequences=bool(o["sequences"] or o["prompt_entropy"]),
                     prompt_entropy=o["prompt_entropy"], sample=o["sample"], special_tokens=o["special_tokens"],
                     memory_budget=budget, spill_dir=str(o["spill_dir"]) if o["spill_dir"] else None,
                     modules=parse_module_overrides(o["module"]), split_limit=o["split_limit"],

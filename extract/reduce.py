@@ -13,7 +13,7 @@ What is reduced (every rank calls `Reducer.reduce` for every source, in the same
   (n, Σh, Σhhᵀ and Σ h_l h_{l+1}ᵀ as the writer reads them: float64, centres already removed),
   the per-window measures (pooled moments, curvature and prompt-entropy sums, Σ|h|) — sums;
 * the massive activations: every rank's top-k candidates gathered, the top k kept in the same total
-  order one process uses (`sequences._top_order`);
+  order one process uses (`sequences.top_order`);
 * the bottom-k sample: every rank's k keys gathered, the k smallest kept with their vectors;
 * the run statistics (tokens, documents, windows, …): sums (seconds, peak bytes: the maximum).
 
@@ -239,7 +239,7 @@ class Reducer:
     def _reduce_window_measures(self, ex, tmp: Path | None) -> None:
         """Rank 0's WindowMeasures becomes the job's: sums in place, pooled moments replaced, top-k
         re-selected from every rank's candidates."""
-        from .sequences import _top_order
+        from .sequences import top_order
 
         ex.finish()
         pooled = {p: self._reduce_moments(mo, ex.L, tmp, f"pooled-{p}") for p, mo in ex.pooled.items()}
@@ -252,7 +252,7 @@ class Reducer:
             setattr(ex, k, v)
         tv, td, tm = (torch.empty_like(t).cpu() for t in (ex.top_val, ex.top_dim, ex.top_meta))
         for layer in range(ex.L):  # (world·k,) candidates → the k first in one process's order
-            order = _top_order(val[layer], meta[layer], dim[layer])[: ex.k]
+            order = top_order(val[layer], meta[layer], dim[layer])[: ex.k]
             tv[layer], td[layer], tm[layer] = val[layer][order], dim[layer][order], meta[layer][order]
         ex.top_val, ex.top_dim, ex.top_meta = tv, td, tm
 

@@ -29,7 +29,9 @@ from common.progress import progress
 from warehouse import merge, query, schema, store
 from warehouse.storage import open_storage
 
-from .accumulate import PRECISIONS, Moments, Sample, TokenSums
+from .accumulate.moments import PRECISIONS, Moments
+from .accumulate.sample import Sample
+from .accumulate.sums import TokenSums
 from .sequences import WindowMeasures
 from . import architectures as architectures_module, params as params_module
 from .architectures import get_module
@@ -60,7 +62,6 @@ class Settings:
     moments: bool = True  # Σh, Σhhᵀ per layer (anisotropy, IsoScore, spectra)
     cross_moments: bool = False  # also Σ h_l h_{l+1}ᵀ per consecutive pair (linearity, CKA, Procrustes; opt-in)
     moments_precision: str = "float32"  # per-batch products: float32 (shifted), bfloat16 or float64
-    scatter: str = "atomic"  # per-token sums: atomic (scatter-add) | segment (sorted once, segment sums)
     sequences: bool = False  # per-window measures: sequence moments, curvature, massive activations (opt-in)
     prompt_entropy: bool = False  # per-window prompt entropy (an eigendecomposition per window and layer)
     sample: int = 0  # K: bottom-k sample of token vectors per layer (0 = none)
@@ -122,7 +123,7 @@ class SourceResult:
     skipped_lines: int = 0
     filtered: int = 0
     seconds: float = 0.0
-    spills: int = 0  # eviction runs written to disk to stay under the memory budget (extract/accumulate.py)
+    spills: int = 0  # eviction runs written to disk to stay under the memory budget (extract/accumulate/spill.py)
     unread: int = 0  # documents read but left when --max-tokens ran out before them (not counted in `documents`)
     spill_bytes: int = 0  # bytes written to spill files (eviction runs and their merges)
     accumulator_peak_bytes: int = 0
@@ -370,7 +371,7 @@ def new_accumulator(loaded: Loaded, settings: Settings, budget: int) -> TokenSum
     d = loaded.d
     emb = get_module(loaded.model, loaded.layout.embedding)
     acc = TokenSums(len(kinds), emb.weight.shape[0], d, settings.device, settings.accumulator_device,
-                    budget=budget, spill_dir=settings.spill_dir, scatter=settings.scatter)
+                    budget=budget, spill_dir=settings.spill_dir)
     try:
         if settings.moments:
             acc.moments = Moments(len(kinds), d, settings.accumulator_device or settings.device,

@@ -18,15 +18,16 @@ Everything stored is a sum or a top-k, so shards, sources and machines merge:
 * massive activations: Σ|h| over every counted vector and dimension (float64), and the top-k |h|
   with the dimension, token, document and position where each occurs.
 
-What these need of the M rows is four numbers per row (`row_terms`: Σ|h|, max|h|, and the
-curvature's ‖v_k‖ and ⟨v_{k+1}, v_k⟩, float64).  The token-sum pass computes them from the float64
-rows it forms anyway — on the CPU from each cache-resident chunk (`TokenSums._add_chunked`), compiled
-(`layer_step`) in the norm's reduction over d — so the rows are not read again here: only the
-windows' last vectors and the top-k candidates' rows (B + k rows) are gathered, and prompt entropy
-(opt-in) reads its windows' rows.  Given rows without the terms, `add` computes them itself (same
-function, in float64 chunks).  Cost per batch and layer beyond the terms: O(M) (curvature's angles,
-the top-k's sort of the row maxima) plus three (B × d)ᵀ(B × d) products; 3·(d² + d) float64 sums per
-layer.  On a CPU the work queues to the moments' background thread (same order: bit-identical)."""
+What these need of the M rows is four numbers per row (`row_terms` in accumulate/kernels.py: Σ|h|,
+max|h|, and the curvature's ‖v_k‖ and ⟨v_{k+1}, v_k⟩, float64).  The token-sum pass computes them
+from the float64 rows it forms anyway — on the CPU from each cache-resident chunk
+(`TokenSums._add_chunked`), compiled (`layer_step`) in the norm's reduction over d — so the rows are
+not read again here: only the windows' last vectors and the top-k candidates' rows (B + k rows) are
+gathered, and prompt entropy (opt-in) reads its windows' rows.  Given rows without the terms, `add`
+computes them itself (same function, in float64 chunks).  Cost per batch and layer beyond the
+terms: O(M) (curvature's angles, the top-k's sort of the row maxima) plus three (B × d)ᵀ(B × d)
+products; 3·(d² + d) float64 sums per layer.  On a CPU the work queues to the moments' background
+thread (same order: bit-identical)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ import math
 
 import numpy as np
 import torch
+
+from .accumulate.kernels import rows_terms
+from .accumulate.moments import Moments
 
 POOLINGS = ("mean", "last", "normalized")
 
@@ -45,15 +49,13 @@ class WindowMeasures:
 
     def __init__(self, n_layers: int, d: int, device: torch.device | str, precision: str = "float32",
                  prompt_entropy: bool = False, top_k: int = 10, worker=None):
-        from .accumulate import Moments
-
         dev = torch.device(device)
         self.L, self.d, self.k = n_layers, d, top_k
         # Exact products whatever the token moments' precision: these are B rows per batch (one per
         # window), not M tokens, so float64 costs little; float32 products left noise eigenvalues
         # (~1e-7 of the largest) in a rank-deficient covariance — 'last' pooling at the embedding layer,
-        # windows ending in the same token — that effective rank's p > 0 counted (4.2e-6 relative off on
-        # MiniLM; tests/test_sequences.py).  `precision` is accepted for the caller's symmetry.
+        # windows ending in the same token — that effective rank's p > 0 counted (tests/test_sequences.py).
+        # `precision` is accepted for the caller's symmetry.
         self.pooled = {p: Moments(n_layers, d, dev, cross=False, precision="float64", background=False)
                        for p in POOLINGS}
         self.curv_windows = torch.zeros(n_layers, dtype=torch.int64, device=dev)
@@ -139,7 +141,7 @@ class WindowMeasures:
         val = torch.cat([self.top_val[layer], rows(top).abs().reshape(-1).to(torch.float64)])
         dim = torch.cat([self.top_dim[layer], torch.arange(d, device=ok.device).repeat(kk)])
         met = torch.cat([self.top_meta[layer], meta.index_select(0, top).repeat_interleave(d, 0)])
-        keep = _top_order(val, met, dim)[: self.k]
+        keep = top_order(val, met, dim)[: self.k]
         self.top_val[layer], self.top_dim[layer], self.top_meta[layer] = val[keep], dim[keep], met[keep]
         # curvature: v_k = h_{k+1} − h_k within a window, both vectors ok; ‖v_k‖ and ⟨v_{k+1}, v_k⟩ in
         # float64 from `row_terms` (rows k of the (M,) terms; the last one or two rows are padding)
@@ -205,76 +207,7 @@ class WindowMeasures:
                 "document": meta[:, 0].tolist(), "position": meta[:, 1].tolist()}
 
 
-def row_terms(x: torch.Tensor, nxt: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """What the per-window measures need of a batch's rows, in one pass over them: x (n, d) float64
-    rows (zero where not counted); nxt (n,) each row's successor (a row that has none: itself, v = 0),
-    or None for the next row (the last: itself).  Returns (n,) each, float64: Σ_i |x_i| and max_i |x_i|
-    of each row, and with v_k = x_nxt(k) − x_k the curvature's ‖v_k‖ and ⟨v_nxt(k), v_k⟩ (0 in the
-    padding rows).
-
-    One function for every path: the CPU's token-sum pass calls it on each cache-resident float64
-    chunk of rows it has just upcast (`TokenSums._add_chunked`, chunks overlapping by two rows), the
-    compiled `layer_step` on the masked float64 rows it forms anyway (all B·T positions, each
-    counted one's successor the next counted position: the reductions per position over d that the
-    norm makes, the upcast fused into them, no float64 tensor written), and
-    `WindowMeasures` on rows it is given without them.  The compiled step gives `nxt`: slicing a
-    size the compiler marks unbacked fails to compile (a data-dependent guard); eager, slices (the
-    same values without two gathers).  The reductions chosen are the fast ones on a CPU (float64, 514
-    × 512 rows, one thread, Xeon: max(amax, −amin) 0.10 ms against 0.68 for the ∞-norm; the 2-norm
-    of v 0.05 ms against 0.21 for its vecdot)."""
-    n = x.shape[0]
-    if nxt is None:
-        v = torch.empty_like(x)
-        torch.sub(x[1:], x[:-1], out=v[: n - 1])  # (n, d) velocities, exact for bf16/float16/float32 rows
-        v[n - 1:].zero_()
-        dot = torch.zeros(n, dtype=x.dtype, device=x.device)
-        dot[: max(n - 2, 0)] = torch.linalg.vecdot(v[1: n - 1], v[: max(n - 2, 0)], dim=1)
-    else:  # v spelled twice (xn − x, −x + xn: the same values), never indexed or shared, so that a
-        # compiler computes it inside each reduction instead of writing v (n, d) to memory
-        xn = x.index_select(0, nxt)  # (n, d) each row's successor
-        v = xn - x
-        dot = torch.linalg.vecdot(x.index_select(0, nxt.index_select(0, nxt)) - xn, x.neg() + xn, dim=1)
-    return (torch.linalg.vector_norm(x, 1, dim=1), torch.maximum(x.amax(1), -x.amin(1)),
-            torch.linalg.vector_norm(v, dim=1), dot)
-
-
-def chunk_terms(xe: torch.Tensor, o: int, last: bool, block: int = 128) -> tuple[torch.Tensor, ...]:
-    """`row_terms` of one chunk of rows, xe (o + c, d) float64: the chunk's c rows after o (0 or 2)
-    rows of the previous chunk, so that the velocities and dot products across the boundary are
-    computed here.  Returns the pieces that, concatenated over the chunks, are `row_terms` of all
-    M rows: Σ|x|, max|x| of the c rows; ‖v‖ of the pairs from the row before the chunk's first on,
-    ⟨v', v⟩ from two rows before; the chunk's own last one or two (padding) rows only in the last chunk.
-    The previous chunk's rows need not be masked (a pair with an excluded row is dropped by its mask).
-    Done `block` rows at a time (overlapping by two the same way), so that the velocities (block, d)
-    stay in the core's cache beside the chunk: 514 × 512 rows in blocks of 128 take 0.57 ms against
-    0.81 in one (float64, one thread, Xeon with 2 MiB of L2 per core)."""
-    n = len(xe)
-    pieces = []
-    for s in range(o, n, block):
-        e = min(s + block, n)
-        so = 2 if s > 0 else 0
-        abs_sum, row_max, nv, dot = row_terms(xe[s - so:e])
-        k, end = e - s + so, last and e == n
-        pieces.append((abs_sum[so:], row_max[so:], nv[max(so - 1, 0): k if end else k - 1],
-                       dot[: k if end else max(k - 2, 0)]))
-    return tuple(torch.cat(t) for t in zip(*pieces)) if len(pieces) > 1 else pieces[0]
-
-
-def rows_terms(h: torch.Tensor, ok: torch.Tensor, chunk: int = 512) -> tuple[torch.Tensor, ...]:
-    """`row_terms` of rows h (M, d) in any float dtype, those not ok taken as zero, computed `chunk`
-    rows at a time on a float64 copy of each chunk (cache-sized: no (M, d) float64 tensor)."""
-    M = len(h)
-    out = []
-    for a in range(0, M, chunk):
-        b = min(a + chunk, M)
-        o = 2 if a > 0 else 0
-        xe = h[a - o:b].to(torch.float64, copy=True)  # (o + c, d) exact upcast
-        xe.masked_fill_(~ok[a - o:b].unsqueeze(1), 0)
-        out.append(chunk_terms(xe, o, b == M))
-    return tuple(torch.cat(t) for t in zip(*out))
-
-
-def _top_order(val: torch.Tensor, meta: torch.Tensor, dim: torch.Tensor) -> torch.Tensor:
+def top_order(val: torch.Tensor, meta: torch.Tensor, dim: torch.Tensor) -> torch.Tensor:
     """Indices ordering candidates by |h| descending, then document, position, dimension ascending
     (a total order: the merge of shards keeps what one run keeps)."""
     order = torch.argsort(dim, stable=True)

@@ -304,7 +304,7 @@ def test_folded_partials_path_gives_the_same_views(workdir, sources, model_facto
     import functools
 
     import extract.run as run_module
-    from extract.accumulate import TokenSums
+    from extract.accumulate.sums import TokenSums
 
     monkeypatch.setattr(run_module, "TokenSums", functools.partial(TokenSums, fold_partials=True))
     wh = workdir / "fold-wh"

@@ -18,8 +18,10 @@ import reference as ref
 import tiny
 from conftest import run_cli
 from test_gpu_path import _assert_same
-from extract import accumulate
-from extract.accumulate import Moments, TokenSums
+from extract.accumulate import matmul
+from extract.accumulate.background import SideStream
+from extract.accumulate.moments import Moments
+from extract.accumulate.sums import TokenSums
 from common.errors import UserError
 from extract.models import paper_checkpoints, parse_step, resolve_model
 from extract.sources import ReadStats, Source, SentenceSplitter, documents, parse_shard
@@ -530,7 +532,7 @@ def test_compiled_gpu_step_equals_the_eager_path():
     and zero vectors included (compiled here for the CPU; on a GPU the same graph becomes Triton)."""
     torch.manual_seed(0)
     accs = [TokenSums(2, 20, 8, "cpu", fused=f) for f in (False, True)]
-    accs += [TokenSums(2, 20, 8, "cpu", scatter="segment", fold_partials=f) for f in (False, True)]
+    accs += [TokenSums(2, 20, 8, "cpu", fold_partials=True)]  # per-batch partials folded in
     accs += [TokenSums(2, 20, 8, "cpu"), TokenSums(2, 20, 8, "cpu")]
     accs[-2].CHUNK = 5  # the CPU path in chunks of 5 rows: chunks with and without NaN/zero rows
     accs[-1].host_sync_free = False  # the general eager path (a GPU's without the compiler), whole batches
@@ -549,13 +551,13 @@ def test_compiled_gpu_step_equals_the_eager_path():
             acc.set_batch(ids, counted)
             for layer in range(2):
                 acc.add(layer, hidden * (layer + 1))
-    eager, fused, *segment, chunked, general = accs
-    assert fused._fused is not None and eager._fused is None and all(a._fused is None for a in segment)
+    eager, fused, folded, chunked, general = accs
+    assert fused._fused is not None and eager._fused is None and folded._fused is None
     for layer in range(2):  # the CPU path in chunks is the general path's arithmetic in its order: same bits
         for other in (chunked, general):
             (ce, se), (cf, sf) = eager.dense(layer), other.dense(layer)
             assert torch.equal(ce, cf) and torch.equal(se, sf)
-    for other in (fused, *segment, chunked, general):  # the compiled step; sort-and-segment sums, on the device and folded
+    for other in (fused, folded, chunked, general):  # the compiled step; per-batch partials folded in
         _assert_same(eager, other, 2)
     assert eager.nonfinite.tolist() == [2, 2] and eager.zero.tolist() == [2, 2]
     for other in (chunked, general):
@@ -608,13 +610,13 @@ def test_onednn_products_equal_the_torch_path_and_float64():
     buffers grow and shrink) split into row chunks, an odd d, bf16 and float32 input, zeroed rows,
     pairs."""
     if platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available():
-        assert accumulate._ONEDNN is not None  # CI's machine takes the fast path: it is what this checks
+        assert matmul.ONEDNN is not None  # CI's machine takes the fast path: it is what this checks
     else:
         pytest.skip("oneDNN's path is x86-64 only")
     torch.manual_seed(3)
     for d in (17, 64):
         fast, slow = Moments(3, d, "cpu", background=False), Moments(3, d, "cpu", background=False)
-        fast._nt, slow._nt = accumulate._ONEDNN, None  # oneDNN on transposed rows (AVX-512 CPUs); MKL on the rows
+        fast._nt, slow._nt = matmul.ONEDNN, None  # oneDNN on transposed rows (AVX-512 CPUs); MKL on the rows
         fast.CHUNK = slow.CHUNK = 32  # several chunks per batch, a partial last one
         exact = Moments(3, d, "cpu", precision="float64", background=False)
         assert exact._nt is None and not exact._chunked
@@ -636,7 +638,7 @@ def test_onednn_products_equal_the_torch_path_and_float64():
                 assert np.abs(m.cross(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max(), (d, layer)
         assert torch.equal(fast.n_pair, exact.n_pair) and torch.equal(slow.n_pair, exact.n_pair)
     default = Moments(2, 4, "cpu", background=False)  # the layout this CPU gets
-    assert default._chunked and (default._nt is accumulate._ONEDNN) == accumulate._avx512()
+    assert default._chunked and (default._nt is matmul.ONEDNN) == matmul.avx512()
 
 
 def test_bfloat16_moments_are_exact_products_against_float64():
@@ -647,7 +649,7 @@ def test_bfloat16_moments_are_exact_products_against_float64():
     (no centre: the products must stay exact), the background thread bit for bit; float32 rows
     are refused with a one-line error."""
     a = torch.tensor([[3.0, -2.5, 0.5], [1.25, 7.0, -0.75]]).bfloat16()  # exact in float32 and float64
-    assert torch.equal(accumulate._mm_bf16(a, a.T).double(), a.double() @ a.double().T)
+    assert torch.equal(matmul.mm_bf16(a, a.T).double(), a.double() @ a.double().T)
     torch.manual_seed(5)
     for d in (17, 64):
         fast = [Moments(3, d, "cpu", precision="bfloat16", background=b) for b in (False, True)]
@@ -678,9 +680,9 @@ def test_bfloat16_moments_are_exact_products_against_float64():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU tests above cover the arithmetic)")
 def test_gpu_paths_against_float64_without_host_syncs():
-    """On a GPU: the compiled step and the sort-and-segment token sums against the CPU's eager
-    path; bf16 moments (tensor cores, float32 out) on the side stream against float64 products;
-    and no host synchronisation inside `add` (CUDA's sync debug mode raises on one)."""
+    """On a GPU: the compiled step against the CPU's eager path; bf16 moments (tensor cores, float32
+    out) on the side stream against float64 products; and no host synchronisation inside `add`
+    (CUDA's sync debug mode raises on one)."""
     torch.manual_seed(0)
     L, V, d = 3, 500, 64
     from extract.sequences import WindowMeasures
@@ -688,12 +690,12 @@ def test_gpu_paths_against_float64_without_host_syncs():
     cpu = TokenSums(L, V, d, "cpu")
     cpu.moments = Moments(L, d, "cpu", precision="float64", background=False)
     cpu.extra = WindowMeasures(L, d, "cpu", precision="float64")
-    gpus = [TokenSums(L, V, d, "cuda"), TokenSums(L, V, d, "cuda", scatter="segment")]
+    gpus = [TokenSums(L, V, d, "cuda")]
     for g in gpus:
         g.moments = Moments(L, d, "cuda", precision="bfloat16", background=True)
         g.extra = WindowMeasures(L, d, "cuda", worker=g.moments._worker)
-    assert gpus[0]._fused is not None and gpus[1]._fused is None
-    assert isinstance(gpus[0].moments._worker, accumulate._SideStream)
+    assert gpus[0]._fused is not None
+    assert isinstance(gpus[0].moments._worker, SideStream)
     for step in range(4):
         ids = torch.randint(0, V, (4, 50))
         counted = torch.ones(4, 50, dtype=torch.bool)

@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from extract import accumulate
-from extract.accumulate import Moments, TokenSums
+from extract.accumulate import kernels, matmul
+from extract.accumulate import moments as moments_module
+from extract.accumulate.moments import Moments
+from extract.accumulate.sums import TokenSums
 
 # The dynamo settings these tests change; each test must leave them readable and as they were.
 _DYNAMO_SETTINGS = ("recompile_limit", "fail_on_recompile_limit_hit")
@@ -106,7 +108,7 @@ def test_a_failed_recompile_falls_back_to_eager_with_one_warning():
     L, V, d = 2, 40, 4
     gen = torch.Generator().manual_seed(1)
     eager, fused = TokenSums(L, V, d, "cpu", fused=False), TokenSums(L, V, d, "cpu", fused=True)
-    fused._fused = lambda *a: accumulate.layer_step(*a)  # a "compiled" step that works (the compiler is slow)
+    fused._fused = lambda *a: kernels.layer_step(*a)  # a "compiled" step that works (the compiler is slow)
     _feed([eager, fused], [(2, 3)], V, d, L, gen)
     assert fused._compiled_once
 
@@ -123,7 +125,7 @@ def test_a_failed_recompile_falls_back_to_eager_with_one_warning():
 
 
 def test_recompile_limit_is_an_error_not_a_silent_eager_fallback():
-    """torch's recompile limit, hit inside `_run_compiled`, raises (instead of torch running the step
+    """torch's recompile limit, hit inside `run_compiled`, raises (instead of torch running the step
     eagerly without a word): `add` falls back to its own eager path with one warning, the path
     recorded, the sums right.  (dynamo's "eager" backend and a limit of 1: fast; a dtype change forces
     the recompile.  The limit is set with torch's own `config.patch`, not monkeypatch: see
@@ -134,7 +136,7 @@ def test_recompile_limit_is_an_error_not_a_silent_eager_fallback():
     torch._dynamo.reset()
     try:
         with torch._dynamo.config.patch(recompile_limit=1):
-            fused._fused = torch.compile(accumulate.layer_step, backend="eager")
+            fused._fused = torch.compile(kernels.layer_step, backend="eager")
             _feed([eager, fused], [(2, 3)], V, d, L, gen)  # bf16: compiled
             assert fused._compiled_once and fused._fused is not None
             ids, counted, hidden = _batch(3, 2, V, d, gen)
@@ -159,7 +161,7 @@ def test_bf16_product_probe_runs_on_the_rows_device_and_its_fallback_warns(monke
         asked.append(device)
         return False
 
-    monkeypatch.setattr(accumulate, "_mm_out_dtype", probe)
+    monkeypatch.setattr(moments_module, "mm_out_dtype", probe)
     gen = torch.Generator().manual_seed(2)
     d = 6
     fast = Moments(2, d, "cpu", precision="bfloat16", background=False)
@@ -183,17 +185,17 @@ def test_bf16_product_probe_runs_on_the_rows_device_and_its_fallback_warns(monke
 
 
 def test_the_probe_itself_fails_closed(monkeypatch):
-    """`_mm_out_dtype` on a device whose torch.mm rejects `out_dtype` answers False (not an error)."""
-    accumulate._mm_out_dtype.cache_clear()
+    """`mm_out_dtype` on a device whose torch.mm rejects `out_dtype` answers False (not an error)."""
+    matmul.mm_out_dtype.cache_clear()
 
     def mm(*a, **k):
         raise TypeError("mm() got an unexpected keyword argument 'out_dtype'")
 
     monkeypatch.setattr(torch, "mm", mm)
     try:
-        assert accumulate._mm_out_dtype(torch.device("cpu")) is False
+        assert matmul.mm_out_dtype(torch.device("cpu")) is False
     finally:
-        accumulate._mm_out_dtype.cache_clear()
+        matmul.mm_out_dtype.cache_clear()
 
 
 def _sums(model_dir, source_path, monkeypatch, prefetch: int, mask_only_with_padding: bool, **settings):
@@ -354,7 +356,7 @@ def test_doctor_measures_checks_and_saves_a_report(model_factory, sources, tmp_p
     assert rep["device"] == "cpu" and rep["passes"] >= 1 and rep["batches"] == 2 and rep["tokens_per_pass"] > 0
     assert rep["bare_tok_s"] > 0 and rep["default_tok_s"] > 0 and rep["ratio"] > 0 and rep["peak_memory_bytes"] > 0
     assert rep["paths"] == {"layer_step": "eager", "scatter": "atomic", "moments": "float32 (centred, oneDNN)"
-                            if accumulate._ONEDNN is not None and accumulate._avx512() else "float32 (centred)"}
+                            if matmul.ONEDNN is not None and matmul.avx512() else "float32 (centred)"}
     assert rep["check"]["token_sums_max_rel_error"] <= 1e-12 and rep["check"]["moments_covariance_max_rel_error"] <= 1e-5
     assert rep["versions"]["torch"] and "ratio" in err and "saved:" in err
     assert "doctor: warm-up: one bare forward pass" in err and "alternating the bare forward" in err  # never silent

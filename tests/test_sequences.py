@@ -161,18 +161,19 @@ def test_window_terms_from_the_token_sum_pass_equal_the_float64_definition(monke
     ‖v‖² and ⟨v', v⟩ from the token-sum pass's float64 chunks (chunks of 7 rows in blocks of 3 here, so
     that pairs and triples span their boundaries) instead of reading the rows again: equal to the float64
     definition to 1e-12 (n exact, the top-k identical), as are the paths that compute them in
-    WindowMeasures' own pass (the segment scatter; WindowMeasures on the moments' background thread)
+    WindowMeasures' own pass (the general eager path; WindowMeasures on the moments' background thread)
     — and the token sums, window sums and counts are bit-identical to a pass without the per-window
     measures."""
-    from extract import sequences
-    from extract.accumulate import Moments, TokenSums
+    from extract.accumulate import kernels
+    from extract.accumulate.moments import Moments
+    from extract.accumulate.sums import TokenSums
 
     L, V, d = 2, 50, 8
     gen = torch.Generator().manual_seed(11)
     batches = [windows_batch(B, T, V, d, gen) for B, T in ((3, 20), (1, 1), (2, 9), (5, 4), (1, 30))]
-    accs = {name: TokenSums(L, V, d, "cpu", fused=False, scatter=scatter) for name, scatter in
-            (("chunked", "atomic"), ("rows", "segment"), ("thread", "atomic"), ("bare", "atomic"))}
-    monkeypatch.setattr(sequences.chunk_terms, "__defaults__", (3,))  # blocks of 3 rows inside the chunks
+    accs = {name: TokenSums(L, V, d, "cpu", fused=False) for name in ("chunked", "rows", "thread", "bare")}
+    accs["rows"].host_sync_free = False  # the general eager path: WindowMeasures computes the terms itself
+    monkeypatch.setattr(kernels.chunk_terms, "__defaults__", (3,))  # blocks of 3 rows inside the chunks
     accs["thread"].moments = Moments(L, d, "cpu", background=True)  # WindowMeasures on its thread: own pass
     given = []
     for name, acc in accs.items():

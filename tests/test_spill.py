@@ -1,4 +1,4 @@
-"""The token sums under a memory budget (extract/accumulate.py): frequent types stay resident, the
+"""The token sums under a memory budget (extract/accumulate/): frequent types stay resident, the
 evicted ones go to a host tier and to disk runs merged as they accumulate, and the sums read back
 equal the unbudgeted ones at every budget; the spill bound; kill -9 during a spill; bad budgets."""
 
@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from extract.accumulate import TokenSums, _SlotTable, remove_orphans
+from extract.accumulate.spill import remove_orphans
+from extract.accumulate.sums import TokenSums
+from extract.accumulate.tables import SlotTable
 from common.errors import UserError
 from warehouse.query import connect
 
@@ -72,18 +74,17 @@ def slot_bytes() -> int:
     return L * (8 * D + 8) + 8
 
 
-@pytest.mark.parametrize("config", ["plain", "fold", "segment", "host", "host+fold", "host-tiny"])
+@pytest.mark.parametrize("config", ["plain", "fold", "host", "host+fold", "host-tiny"])
 @pytest.mark.parametrize("share", [1, 2, 4, 8, "few"])  # 1: room for growth, no eviction
 def test_sums_equal_the_unbudgeted_run_at_every_budget(unbudgeted, tmp_path, config, share):
     """Budgets from the whole table down to a few batches' types; on the CPU with the partial-fold
-    path of a separate accumulator device (`fold_partials`, what --accumulator-device takes), the
-    segment scatter, and a host tier between the table and disk (a cpu "device" table, no pinning)."""
+    path of a separate accumulator device (`fold_partials`, what --accumulator-device takes) and a
+    host tier between the table and disk (a cpu "device" table, no pinning)."""
     acc0, want = unbudgeted
     types = sum(len(set(i)) for i, _, _ in want[:1])
     table = acc0.table.resident * slot_bytes()
     budget = {"few": 3 * B * T * slot_bytes(), 1: 2 * acc0.table_bytes()}.get(share) or table // share
-    kw = dict(budget=budget, spill_dir=tmp_path, fold_partials="fold" in config or None,
-              scatter="segment" if config == "segment" else "atomic", host_budget=None)
+    kw = dict(budget=budget, spill_dir=tmp_path, fold_partials="fold" in config or None, host_budget=None)
     if config.startswith("host"):
         kw["host_budget"] = max(table // 2, 3 * B * T * slot_bytes())  # the host tier spills to disk too
     if config == "host-tiny":  # too small for an eviction: the table's rows go straight to disk
@@ -122,15 +123,15 @@ def test_frequent_types_stay_resident(tmp_path):
         assert np.array_equal(S0[at], S1[at])
     assert not any(np.isin(top, r.ids).any() for r in acc.disk.runs)
     acc.close()
-    old = _SlotTable.EVICT
-    _SlotTable.EVICT = 1.0
+    old = SlotTable.EVICT
+    SlotTable.EVICT = 1.0
     try:
         acc, got = accumulate(40_000, budget=budget, spill_dir=tmp_path, host_budget=None)
         same(want, got)
         assert acc.spill_bytes > 1.3 * written
         acc.close()
     finally:
-        _SlotTable.EVICT = old
+        SlotTable.EVICT = old
 
 
 def test_spill_bound_on_a_zipf_stream(tmp_path):
@@ -146,10 +147,10 @@ def test_spill_bound_on_a_zipf_stream(tmp_path):
     table = acc.table.resident * slot_bytes()
     acc.close()
     written = {}
-    old = _SlotTable.EVICT
+    old = SlotTable.EVICT
     try:
         for evict in (old, 1.0):
-            _SlotTable.EVICT = evict
+            SlotTable.EVICT = evict
             acc = TokenSums(L, V, D, "cpu", budget=table // 2, spill_dir=tmp_path, host_budget=None)
             for ids, counted, hidden in stream:
                 acc.set_batch(ids, counted)
@@ -165,7 +166,7 @@ def test_spill_bound_on_a_zipf_stream(tmp_path):
                 assert acc.spill_read_bytes - before <= on_disk
             acc.close()
     finally:
-        _SlotTable.EVICT = old
+        SlotTable.EVICT = old
     assert written[old] <= 2 * table < written[1.0], (written, table)
 
 
@@ -246,14 +247,14 @@ def test_a_hidden_spill_directory_left_before_its_lock_goes_only_when_old(tmp_pa
     import fcntl
     import time
 
-    from extract import accumulate
+    from extract.accumulate import spill
 
     old, young, held = (tmp_path / f".isotropy-spill-{n}" for n in ("old", "young", "held"))
     for d in (old, young, held):
         d.mkdir()
     with open(held / "lock", "w") as f:  # flock is per open file: remove_orphans' own open cannot take it
         fcntl.flock(f, fcntl.LOCK_EX)
-        then = time.time() - accumulate.HIDDEN_GRACE_S - 5
+        then = time.time() - spill.HIDDEN_GRACE_S - 5
         for d in (old, held):
             os.utime(d, (then, then))
         assert remove_orphans(tmp_path) == [old]

@@ -1,0 +1,23 @@
+"""Accumulation of the extraction pass: float64 sums of what a forward pass shows, added batch by
+batch, layer by layer, so that shards, sources and machines merge.  One module per role, each
+importing only those below it:
+
+* sums.py — `TokenSums`: the per-(layer, token) sums of unit vectors and the hot path that adds them;
+* tables.py — the slot table on one device (growth, budget, eviction by frequency), the host tier;
+* spill.py — the disk tier: spill runs, their merging (the bound W ≤ 2.5 E), orphan sweeping;
+* kernels.py — the per-layer arithmetic: the compiled GPU step, window sums, the per-window row terms;
+* moments.py — `Moments`: n, Σh, Σhhᵀ and cross moments per layer, in a chosen product precision;
+* matmul.py — the moments' matrix-product back-ends (oneDNN, MKL, bf16 tensor cores);
+* background.py — the executors that run the moments off the forward's path (thread, CUDA stream);
+* sample.py — `Sample`: the mergeable bottom-k sample of token vectors;
+* paths.py — the code paths taken, and the one-line warning for a slower one.
+
+The per-window measures built on the same pass are `extract/sequences.py`.
+"""
+
+from .moments import PRECISIONS, Moments
+from .sample import Sample
+from .spill import remove_orphans
+from .sums import TokenSums
+
+__all__ = ["PRECISIONS", "Moments", "Sample", "TokenSums", "remove_orphans"]

@@ -1,0 +1,342 @@
+"""The moments of the raw hidden states, summed in float64: per layer n, Σh, Σhhᵀ and, opt-in, the
+cross moments Σ h_l h_{l+1}ᵀ of consecutive layers — what anisotropy, IsoScore, PCA, effective rank,
+linearity and CKA are computed from.  Each batch's d×d products run in the chosen precision
+(`PRECISIONS`) through the kernels of matmul.py, and are added into float64 sums, so rounding never
+accumulates across batches; on a CPU the work runs on a background thread (background.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.errors import UserError
+
+from .background import SideStream, Worker
+from .matmul import ONEDNN, add_gram_upper, avx512, mm_bf16, mm_out_dtype
+from .paths import slow_path
+
+PRECISIONS = ("float32", "float64", "bfloat16")  # of the moments' per-batch products
+
+
+class Moments:
+    """Per layer: n, Σh (d,), Σhhᵀ (d, d); per consecutive pair (l, l+1): Σ h_l h_{l+1}ᵀ — summed in
+    float64 over the raw hidden states.  A vector with NaN/inf or zero norm is left out of its layer
+    (the caller zeroes its row, so it adds nothing to any sum), and a pair's cross moment only takes
+    tokens counted in both layers (`n_pair`; a zeroed row on either side adds nothing).  Counts stay
+    on the device: no host sync.
+
+    precision "float64": each batch's d×d products in float64 (products of float32/bf16 values are
+    exact in float64; only the float64 sums round).  "float32" (the default): each batch's products
+    in float32 — faster on a CPU — added into the float64 sums, so rounding never
+    accumulates across batches.  So that float32 products do not lose the covariance to cancellation
+    against a large mean, every row of a layer is shifted by a fixed centre c (the layer's first-batch
+    mean, in float32) before the product and the shift is undone in float64 at the end: with R the rows
+    fed (zeroed ones included) and s = Σh over them (zeroed rows add nothing),
+
+        Σ_rows (h−c)(h−c)ᵀ = Σhhᵀ − c sᵀ − s cᵀ + R ccᵀ,   Σ (h_l−c_l)(h_m−c_m)ᵀ = Σ h_l h_mᵀ − s_l c_mᵀ − c_l s_mᵀ + R c_l c_mᵀ
+
+    so the stored sums mean the same whatever the precision (the error against float64:
+    docs/views-guide.md, precision).
+    On a CPU the float32 products are taken over chunks of ≤ CHUNK rows, each chunk's products folded
+    into the float64 sums: on an AVX-512 x86-64 CPU through oneDNN (`onednn_nt`) on the rows
+    transposed ((d, rows) each; a chunk's row sums give Σh cheaper than column sums), on others
+    through torch (MKL) on the rows as they are; elsewhere through torch, one product per batch.
+
+    On a CPU (`background`, the default there) all of a batch's work — counts, Σh, the shift, the
+    products — is queued to one low-priority thread (`Worker`) and done in the same order as
+    inline: bit-identical sums, overlapped with the forward.  The shifted rows go to two reused
+    buffers (a fresh (M, d) tensor per layer costs page faults).  The
+    sums (`n`, `s1`, `n_pair`, `s2()`, `cross()`) wait for the queue when read."""
+
+    QUEUE_BYTES = 256 << 20  # rows waiting for the background thread, at most (one call's always fits)
+    CHUNK = 512  # rows per float32 product on oneDNN's path: shorter float32 sums (docs/views-guide.md: precision)
+
+    CHUNK_BF16 = 4096  # rows per bf16 product (float32 accumulation inside it): docs/views-guide.md, precision
+
+    def __init__(self, n_layers: int, d: int, device: torch.device | str, cross: bool = True,
+                 precision: str = "float32", background: bool | None = None):
+        if precision not in PRECISIONS:
+            raise ValueError(f"moments precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
+        dev = torch.device(device)
+        self._bf16 = precision == "bfloat16"
+        self._n = torch.zeros(n_layers, dtype=torch.int64, device=dev)
+        self._s1 = torch.zeros(n_layers, d, dtype=torch.float64, device=dev)
+        self._s2 = torch.zeros(n_layers, d, d, dtype=torch.float64, device=dev)  # Σ(h−c)(h−c)ᵀ, upper triangle
+        self._cross = torch.zeros(n_layers - 1, d, d, dtype=torch.float64, device=dev) if cross else None
+        self._n_pair = torch.zeros(n_layers - 1, dtype=torch.int64, device=dev)
+        self._shifted = precision == "float32"
+        self._c = torch.zeros(n_layers, d, dtype=torch.float32, device=dev)  # centres (0: not shifted)
+        self._c_set = [not self._shifted] * n_layers
+        self._rows = [0] * n_layers  # R: rows fed per layer (host ints: shapes, no sync)
+        self._pair_rows = [0] * max(n_layers - 1, 0)
+        self._pair_s = torch.zeros(max(n_layers - 1, 0), 2, d, dtype=torch.float64, device=dev)  # s_l, s_m over pair batches
+        self._prev: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[precision]
+        # float32 on a CPU: products of ≤ CHUNK-row chunks, through oneDNN on transposed rows where
+        # the CPU has AVX-512 (MKL runs only its AVX2 kernels on AMD), else MKL on the rows as they are
+        self._nt = ONEDNN if self._shifted and dev.type == "cpu" and avx512() else None
+        self._chunked = self._shifted and dev.type == "cpu"
+        self._bufs = [torch.empty(0, dtype=self._dtype, device=dev) for _ in range(2)]  # layers alternate
+        self._pair = torch.empty(0, dtype=torch.bfloat16, device=dev)  # bfloat16: (M, 2d), layers alternate halves
+        self._split: list[bool | None] = [None] * n_layers  # bf16: centred hi+lo rows (decided at the first batch)
+        self._ratio: list[float | None] = [None] * n_layers  # bf16: the first batch's ‖μ‖²/tr C per layer
+        self._pair_rows_of: list = [None, None]  # bf16: which (layer, rows) each half of the pair buffer holds
+        self._pair_ok = False
+        self._tensor_cores = dev.type == "cuda"  # bf16 products with a float32 output, where torch has them
+        self._out_dtype: bool | None = None  # decided at the first bf16 rows (`add`)
+        self.paths: dict[str, str] = {"moments": {
+            "float64": "float64", "bfloat16": "bfloat16 (tensor cores, float32 out)" if self._tensor_cores else
+            "bfloat16 (float32 products of the upcast rows)",
+            "float32": "float32 (centred" + (", oneDNN)" if self._nt is not None else ")")}[precision]}
+        if self._bf16:
+            self.paths["moments_rows"] = "raw"
+        if background is None:  # on a CPU: the moments' work fills the cores the forward leaves idle
+            background = dev.type == "cpu"
+        if not background:
+            self._worker = None
+        elif dev.type == "cuda":  # a side stream: the products overlap the forward's kernels, no host sync
+            self._worker = SideStream(dev)
+        else:
+            self._worker = Worker(max_bytes=self.QUEUE_BYTES)
+
+    @property
+    def has_cross(self) -> bool:
+        return self._cross is not None
+
+    @property
+    def n(self) -> torch.Tensor:
+        """(L,) vectors counted per layer."""
+        self.finish()
+        return self._n
+
+    @property
+    def s1(self) -> torch.Tensor:
+        """(L, d) float64 Σh per layer."""
+        self.finish()
+        return self._s1
+
+    @property
+    def n_pair(self) -> torch.Tensor:
+        """(L − 1,) tokens counted in both layers of each pair."""
+        self.finish()
+        return self._n_pair
+
+    def add(self, layer: int, h: torch.Tensor, ok: torch.Tensor, s: torch.Tensor | None = None,
+            n: torch.Tensor | None = None) -> None:
+        """h: (M, d) raw vectors of the batch's counted positions, rows that are not ok zeroed;
+        ok: (M,) bool.  The caller must not modify h or ok afterwards (a thread may read them later).
+        s: (d,) float64 Σh and n: () ok.sum() of these rows where the caller has them already (the
+        compiled token-sum step): the bf16 path then does not read the rows again for them (float64
+        sums of bf16 values: the same numbers wherever float64 holds them exactly, i.e. unless the
+        rows' exponents span more than ~40 bits)."""
+        if self._bf16 and h.dtype != torch.bfloat16:
+            raise UserError(f"--moments-precision bfloat16 needs bfloat16 hidden states; layer {layer}'s are "
+                            f"{str(h.dtype).removeprefix('torch.')}: use --moments-precision float32")
+        dev = self._s1.device
+        h, ok = h.to(dev), ok.to(dev)
+        if self._bf16 and self._out_dtype is None:  # decided once, on the caller's thread (warnings)
+            self._out_dtype = self._tensor_cores and mm_out_dtype(h.device)
+            if self._tensor_cores and not self._out_dtype:
+                slow_path(self.paths, "moments", "bfloat16 (float32 products: no mm out_dtype)",
+                          f"--moments-precision bfloat16: this torch {torch.__version__} has no torch.mm(..., "
+                          f"out_dtype=float32) on {h.device}; the products run in float32 (~10x slower)")
+        given = (s.to(dev), n.to(dev)) if s is not None and n is not None and self._bf16 else None
+        if self._worker is None:
+            self._add(layer, h, ok, given)
+        else:  # h and ok are this batch's own tensors: nothing else writes them
+            self._worker.submit(self._add, layer, h, ok, given, nbytes=h.numel() * h.element_size())
+
+    def _add(self, layer: int, h: torch.Tensor, ok: torch.Tensor, given=None) -> None:
+        if self._bf16:
+            return self._add_bf16(layer, h, ok, given)
+        n = ok.sum()
+        self._n[layer] += n
+        M, d = h.shape
+        self._rows[layer] += M
+        buf = self._bufs[layer % 2]
+        if buf.numel() < M * d:
+            buf = self._bufs[layer % 2] = torch.empty(M * d, dtype=self._dtype, device=h.device)
+        # x: the rows in chunks, each contiguous in `buf` — oneDNN's: ≤ CHUNK rows transposed,
+        # (d, rows); MKL's on a CPU: ≤ CHUNK rows as they are, (rows, d); elsewhere all M rows, (M, d)
+        T = self._nt is not None
+        step = self.CHUNK if self._chunked else max(M, 1)
+        x = []
+        s = torch.zeros(d, dtype=torch.float64, device=h.device)
+        for a in range(0, M, step):
+            b = min(a + step, M)
+            xc = buf[a * d: b * d].view((d, b - a) if T else (b - a, d))
+            xc.copy_(h[a:b].T if T else h[a:b])  # exact (float32/bf16 into float32, anything into float64)
+            s += xc.sum(1 if T else 0, dtype=torch.float64)  # Σh, float64 accumulation
+            x.append(xc)
+        self._s1[layer] += s
+        if self._shifted:
+            if not self._c_set[layer]:  # the first batch's mean, on the device (no sync)
+                self._c[layer] = (s / n.clamp(min=1)).float()
+                self._c_set[layer] = True
+            c = self._c[layer].unsqueeze(1) if T else self._c[layer]
+            for xc in x:
+                xc.sub_(c)  # h − c in float32
+        px = None
+        if self._cross is not None and self._prev is not None and self._prev[0] == layer - 1:
+            _, px, pok, ps = self._prev  # the previous layer's chunks: the other buffer, the same rows
+            self._n_pair[layer - 1] += (pok & ok).sum()
+            self._pair_rows[layer - 1] += M
+            if self._shifted:
+                self._pair_s[layer - 1, 0] += ps
+                self._pair_s[layer - 1, 1] += s
+        if self._cross is not None:
+            self._prev = (layer, x, ok, s)
+        S = self._s2[layer]
+        for i, xc in enumerate(x):  # each chunk's products folded into the float64 sums
+            if T:  # oneDNN on the transposed rows (d, rows)
+                block = lambda a, b, xc=xc: self._nt(xc[a:b], xc[a:])  # noqa: E731
+            else:  # torch on the rows as they are (rows, d); MKL reads them transposed in place
+                block = lambda a, b, xc=xc: xc[:, a:b].T @ xc[:, a:]  # noqa: E731
+            # a CPU's chunks: 2 panels (smaller products run slower there); one product per batch: 4
+            add_gram_upper(S, block, 2 if self._chunked else 4)
+            if px is not None:  # Σ (h_l − c_l)(h_{l+1} − c_{l+1})ᵀ
+                self._cross[layer - 1] += self._nt(px[i], xc) if T else (px[i].T @ xc).to(torch.float64)
+
+    def _add_bf16(self, layer: int, h: torch.Tensor, ok: torch.Tensor, given=None) -> None:
+        """precision "bfloat16": products of bf16 rows, every one exact in float32; float32
+        accumulation over ≤ CHUNK_BF16 rows per product (tensor cores on a GPU), each product added
+        into the float64 sums.  How the rows go in is decided per layer at its first batch, from
+        that batch's ‖μ‖²/tr C (one host read per layer, once):
+
+        * ≤ SPLIT_RATIO: the raw rows as they are.  With cross moments, a layer's rows go to one half
+          of an (M, 2d) buffer, the halves alternating by layer, so that its Gram matrix and the
+          cross moment with the previous layer (the other half, the same rows) are one product:
+          [h_prev | h]ᵀ h, (2d, d) — full, not the upper triangle; without, hᵀh of the rows.
+        * above (a large mean: float32 sums of raw products lose the covariance, the error growing
+          like ‖μ‖²/tr C): the rows centred on a bf16 centre c (the first batch's mean, rounded),
+          x = h − c in float32 (exact: both have 8-bit significands), split into bf16 parts
+          x = hi + lo (+ 2⁻¹⁸|x| at most), and Σ x xᵀ = Σ hiᵀhi + hiᵀlo + loᵀhi + loᵀlo as one
+          product of 4× the rows; rows that are not ok are zeroed after centring, and the shift is
+          undone in float64 when the sums are read (`s2`, `cross`).  Four times the multiply-adds,
+          for that layer only; the error no longer grows with the mean."""
+        M, d = h.shape
+        s, n = given if given is not None else (h.sum(0, dtype=torch.float64), ok.sum())  # (d,) Σh, () rows ok
+        self._n[layer] += n
+        self._s1[layer] += s
+        self._rows[layer] += M
+        if self._split[layer] is None:
+            self._decide(layer, h, s, n)
+        parts = self._parts(layer, h, ok)  # bf16 (M, d) each: (h,) or (hi, lo)
+        prev = self._prev if self._cross is not None else None
+        paired = prev is not None and prev[0] == layer - 1 and prev[1] == M
+        if paired:
+            self._n_pair[layer - 1] += (prev[2] & ok).sum()
+        raw = not self._split[layer] and (not paired or not self._split[layer - 1])
+        if self._cross is None or not raw:
+            if self._cross is not None:  # the previous layer's parts are kept for the cross moment
+                if paired and raw is False:
+                    both = (prev[2] & ok).unsqueeze(1)  # (M, 1) rows counted in both layers
+                    self._pair_s[layer - 1, 0] += torch.where(both, prev[4], 0).sum(0, dtype=torch.float64)
+                    self._pair_s[layer - 1, 1] += torch.where(both, h, 0).sum(0, dtype=torch.float64)
+                self._prev = (layer, M, ok, parts, h)
+            for a in range(0, M, self.CHUNK_BF16):
+                P = [x[a: a + self.CHUNK_BF16] for x in parts]  # (k, d) each
+                self._s2[layer] += self._gram(P, P)
+                if paired:
+                    self._cross[layer - 1] += self._gram([x[a: a + self.CHUNK_BF16] for x in prev[3]], P)
+            if self._cross is not None:  # a later raw layer pairs with this one through the buffer
+                self._pair_fill(layer, h)
+            return
+        # raw rows (this layer and the previous one): the pair buffer, one product per chunk
+        buf, cur, half = self._pair_fill(layer, h)
+        paired = paired and self._pair_ok
+        self._prev = (layer, M, ok, parts, h)
+        for a in range(0, M, self.CHUNK_BF16):
+            rows = buf[a: a + self.CHUNK_BF16]  # (k, 2d)
+            if paired:  # rows of [Σ h_prev hᵀ ; Σ h hᵀ] or the reverse, by which half is which
+                P = mm_bf16(rows.T, rows[:, cur], self._out_dtype)  # (2d, d) float32
+                self._s2[layer] += P[cur]
+                self._cross[layer - 1] += P[(1 - half) * d: (2 - half) * d]
+            else:
+                x = rows[:, cur]
+                self._s2[layer] += mm_bf16(x.T, x, self._out_dtype)  # (d, d)
+
+    SPLIT_RATIO = 1.0  # ‖μ‖²/tr C above which a layer's bf16 rows are centred and split (see _add_bf16)
+
+    def _decide(self, layer: int, h: torch.Tensor, s: torch.Tensor, n: torch.Tensor) -> None:
+        """A layer's first batch: raw or centred-and-split rows, from its ‖μ‖²/tr C (one host read)."""
+        k = n.clamp(min=1).double()
+        mu = s / k  # (d,)
+        q = h.double().square().sum() / k  # mean ‖h‖² over the counted rows (zeroed rows add nothing)
+        mu2 = mu.square().sum()
+        ratio = float(mu2 / (q - mu2).clamp_min(1e-300))
+        self._ratio[layer] = ratio
+        self._split[layer] = ratio > self.SPLIT_RATIO
+        if self._split[layer]:
+            self._c[layer] = mu.to(torch.bfloat16).float()  # a bf16 value: h − c is exact in float32
+            split = [i for i, x in enumerate(self._split) if x]
+            self.paths["moments_rows"] = f"centred hi+lo in layers {split} (|mu|^2/tr C > {self.SPLIT_RATIO:g}), raw elsewhere"
+
+    def _parts(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self._split[layer]:
+            return (h,)
+        x = torch.where(ok.unsqueeze(1), h.float() - self._c[layer], 0.0)  # (M, d) float32, exact
+        hi = x.to(torch.bfloat16)
+        lo = (x - hi.float()).to(torch.bfloat16)  # x − hi exact in float32; |lo| ≤ 2⁻⁹|x|
+        return hi, lo
+
+    def _gram(self, A: list[torch.Tensor], B: list[torch.Tensor]) -> torch.Tensor:
+        """Σ_{p, q} A_pᵀ B_q, (d, d) float32, as one product over the parts stacked along the rows."""
+        if len(A) == 1 and len(B) == 1:
+            return mm_bf16(A[0].T, B[0], self._out_dtype)
+        left = torch.cat([a for a in A for _ in B])  # (|A||B| k, d)
+        right = torch.cat([b for _ in A for b in B])
+        return mm_bf16(left.T, right, self._out_dtype)
+
+    def _pair_fill(self, layer: int, h: torch.Tensor):
+        """The layer's raw rows into its half of the pair buffer; returns (buffer rows, its half's
+        columns, the half).  `_pair_ok`: whether the other half holds the previous layer's rows."""
+        M, d = h.shape
+        if self._pair.shape[0] < M or self._pair.shape[1] != 2 * d:
+            self._pair = torch.empty(M, 2 * d, dtype=torch.bfloat16, device=h.device)
+            self._pair_rows_of = [None, None]  # the previous layer's rows were not kept
+        half = layer % 2
+        cur = slice(half * d, (half + 1) * d)
+        buf = self._pair[:M]
+        buf[:, cur] = h  # exact copy
+        self._pair_ok = self._pair_rows_of[1 - half] == (layer - 1, M)
+        self._pair_rows_of[half] = (layer, M)
+        return buf, cur, half
+
+    def finish(self) -> None:
+        """Wait for the queued work (re-raising its error); the sums are complete after."""
+        if self._worker is not None:
+            self._worker.wait()
+
+    def close(self) -> None:
+        """Stop the background thread (always call; idempotent)."""
+        if self._worker is not None:
+            self._worker.close()
+
+    def s2(self, layer: int) -> np.ndarray:
+        """Σhhᵀ of a layer, (d, d) float64."""
+        self.finish()
+        S = self._s2[layer].triu()
+        S = S + S.triu(1).T
+        if self._shifted:
+            c, s = self._c[layer].double(), self._s1[layer]
+            S = S + torch.outer(c, s) + torch.outer(s, c) - self._rows[layer] * torch.outer(c, c)
+        elif self._bf16 and self._split[layer]:  # centred rows, zeroed where not ok: n rows of −c fewer
+            c, s = self._c[layer].double(), self._s1[layer]
+            S = S + torch.outer(c, s) + torch.outer(s, c) - self._n[layer].double() * torch.outer(c, c)
+        return S.cpu().numpy()
+
+    def cross(self, layer: int) -> np.ndarray:
+        """Σ h_l h_{l+1}ᵀ over the tokens counted in layers `layer` and `layer` + 1, (d, d) float64."""
+        self.finish()
+        C = self._cross[layer]
+        if self._shifted:
+            a, b = self._c[layer].double(), self._c[layer + 1].double()
+            sa, sb = self._pair_s[layer, 0], self._pair_s[layer, 1]
+            C = C + torch.outer(sa, b) + torch.outer(a, sb) - self._pair_rows[layer] * torch.outer(a, b)
+        elif self._bf16 and (self._split[layer] or self._split[layer + 1]):  # over the rows counted in both
+            a, b = self._c[layer].double(), self._c[layer + 1].double()  # 0 for a raw layer
+            sa, sb = self._pair_s[layer, 0], self._pair_s[layer, 1]
+            C = C + torch.outer(sa, b) + torch.outer(a, sb) - self._n_pair[layer].double() * torch.outer(a, b)
+        return C.cpu().numpy()
