@@ -135,4 +135,3 @@ def check(root, manifest: Manifest) -> list[tuple[str, str]]:
             finally:
                 discard(tmp, [fresh])
     return problems
-

@@ -100,7 +100,6 @@ def check_conflicts(manifest: Manifest, entries: list[Entry]) -> None:
         raise UserError(conflict_line(conflicts))
 
 
-
 def check_disjoint(entries: list[Entry]) -> None:
     """One commit's own data partials must not share documents: two overlapping shards of one source
     of one (model, checkpoint) would count those documents twice (the CLI never makes such a commit;

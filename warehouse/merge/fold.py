@@ -394,4 +394,3 @@ def _fold_derived(st: Storage, old: Entry | None, adds: list[Entry], removes: li
             if len(X) >= 10:
                 res["twonn"][layer] = (len(X), twonn_microscope(X), twonn_skdim(X))
     return res
-

@@ -260,4 +260,3 @@ def fold_token_state(st: Storage, key: dict, old: Entry | None, adds: list[Entry
     finally:
         for s in streams:
             s.close()
-

@@ -86,8 +86,6 @@ def check_open(manifest: Manifest, model: str, checkpoint: str) -> None:
             f"partial cannot be merged exactly; extract into another --warehouse")
 
 
-
-
 # ---------------------------------------------------------------- what each group holds
 
 

@@ -43,7 +43,6 @@ class Report:
         return [f for f in self.figures if f.missing is not None]
 
 
-
 class Data:
     """The views, restricted to --model / --checkpoint, as Polars frames."""
 

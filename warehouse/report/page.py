@@ -50,7 +50,7 @@ def _draw(fig: Figure, out: Path, png: bool) -> None:
 @functools.cache
 def _js_bundle() -> str:
     """Vega, Vega-Lite and vega-embed in one script (inlined: the report works offline).  Bundling
-    takes seconds, so the bundle is kept in the user's cache directory per vl-convert and Vega-Lite
+    is slow, so the bundle is kept in the user's cache directory per vl-convert and Vega-Lite
     version; a cache that cannot be read or written is only slower."""
     import vl_convert as vlc
 

@@ -159,7 +159,6 @@ class _S3Output(Output):
             self.storage.delete(self.rel)
 
 
-
 def _first_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0][:300]
