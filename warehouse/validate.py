@@ -38,6 +38,7 @@ from common.errors import UserError
 
 from . import merge, query, schema, store
 from .storage import Storage, open_storage, verify
+from .store import Entry, Manifest
 
 GRACE_S = 3600.0  # default grace period: a file not listed must be at least this old to be quarantined
 
@@ -56,7 +57,7 @@ def _same_type(got: pa.DataType, want: pa.DataType, table: str, column: str) -> 
     return got == want
 
 
-def check_file(st: Storage, rel: str, table: str, entry: dict) -> list[str]:
+def check_file(st: Storage, rel: str, table: str, entry: Entry) -> list[str]:
     """Problems of one listed file: missing, size or checksum unlike its record, unreadable, columns
     or types unlike the schema, partition values inside it unlike the manifest."""
     if not st.exists(rel):
@@ -254,7 +255,7 @@ def _moved_only(got: bytes, want: bytes) -> bool:
     return got.replace(have.pop(), where.pop()) == want
 
 
-def _companions(root: Storage, manifest: dict, fix: bool, say) -> list[str]:
+def _companions(root: Storage, manifest: Manifest, fix: bool, say) -> list[str]:
     """manifest.json, runs.parquet and views.sql against what the log says they hold.  Missing or
     behind the log (a writer died between its record and them): rewritten, as every query does.
     Claiming the latest generation (or none) but differing: reported, and rewritten by --fix.  Compared

@@ -56,7 +56,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "isotropy-warehouse"
 
 
-def file_key(path: str, want: dict) -> list | None:
+def file_key(path: str, want: Checksum) -> list | None:
     """What identifies one version of a local file (absolute path → [size, mtime_ns, ctime_ns, inode,
     recorded blake2b]); None when it cannot be stat'ed (verify() then names it as missing).  Writing
     the file's bytes changes its mtime and ctime; ctime cannot be set back by hand (`touch -d`)."""
@@ -126,7 +126,7 @@ def rewrite_verified(st: Storage, items: dict) -> None:
         pass
 
 
-def known_good(st: Storage, rel: str, want: dict | None, cache: dict) -> bool:
+def known_good(st: Storage, rel: str, want: Checksum | None, cache: dict) -> bool:
     """Whether local file `rel` is known to hold the bytes `want` (its record's checksum) without
     reading it: this process wrote it or verified it, or the verified-files `cache` (as connect()
     keeps it) has it, and it is the same file version since (size, mtime, ctime, inode).  A fold
@@ -141,7 +141,7 @@ def known_good(st: Storage, rel: str, want: dict | None, cache: dict) -> bool:
             or (_WRITTEN.get(st.path(rel)) == want and _WRITTEN_KEY.get(st.path(rel)) == key))
 
 
-def note_verified(st: Storage, rel: str, want: dict | None) -> None:
+def note_verified(st: Storage, rel: str, want: Checksum | None) -> None:
     """Remember, in this process, that `rel` was just verified against `want`."""
     if want and st.local:
         path = os.path.abspath(st.path(rel))
