@@ -15,7 +15,8 @@ import pytest
 from conftest import run_cli
 from test_merge import _partial, _snapshot, check_against, oracle
 from test_reliability import run_subprocess
-from warehouse import commits, fold_tokens, merge, store
+from warehouse import merge, store
+from warehouse.merge import commits, fold_tokens
 from warehouse.query import PendingPartials, connect
 from warehouse.validate import validate
 
@@ -258,23 +259,24 @@ def test_compact_folds_pending_partials_first(tmp_path):
 def test_a_fold_hashes_each_partial_at_most_once(tmp_path, monkeypatch):
     """The fold verifies its inputs against their records; a file this process wrote (a sweep) is not
     read again to hash it, and one written elsewhere is hashed once, not once per group."""
-    from warehouse import storage
+    from warehouse.storage import checksums
+    from warehouse.store import verified
 
     root = tmp_path / "wh"
     entries = _layout(root, 17, sources=2, shards=2)
     for e in entries:
         merge.commit(root, [e], fold=False)
     hashed = []
-    real = storage.checksum
-    monkeypatch.setattr(storage, "checksum", lambda st, rel: hashed.append(rel) or real(st, rel))
+    real = checksums.checksum
+    monkeypatch.setattr(checksums, "checksum", lambda st, rel: hashed.append(rel) or real(st, rel))
     merge.fold_pending(root)
     assert hashed == []  # written by this process, unchanged since
     other = tmp_path / "other"
     entries = _layout(other, 17, sources=2, shards=2)
     for e in entries:
         merge.commit(other, [e], fold=False)
-    monkeypatch.setattr(store, "_WRITTEN", {})  # as if another process had written them
-    monkeypatch.setattr(store, "_WRITTEN_KEY", {})
+    monkeypatch.setattr(verified, "_WRITTEN", {})  # as if another process had written them
+    monkeypatch.setattr(verified, "_WRITTEN_KEY", {})
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # and no query verified them
     merge.fold_pending(other)
     files = [f for e in entries for f in e["files"].values()]

@@ -322,7 +322,8 @@ def test_a_fold_whose_old_state_another_writer_replaced_meanwhile_retries(tmp_pa
     # docs call "safe beside running extracts and other merges".  commit() has this retry (`except
     # FileNotFoundError` re-reads the state when it changed); fold_pending has none.  Expected: the fold
     # re-reads the state, finds its partials folded, and returns.  Seen in the racing-processes test too.
-    from warehouse import fold_tokens, storage
+    from warehouse.merge import fold_tokens
+    from warehouse.storage import checksums
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     root = tmp_path / "wh"
@@ -346,7 +347,7 @@ def test_a_fold_whose_old_state_another_writer_replaced_meanwhile_retries(tmp_pa
             else:
                 merge.compact(root)
 
-    real_open, real_verify = fold_tokens._Sorted.__init__, storage.verify
+    real_open, real_verify = fold_tokens._Sorted.__init__, checksums.verify
 
     def spy_open(self, *args, **kw):
         run_other()
@@ -357,7 +358,7 @@ def test_a_fold_whose_old_state_another_writer_replaced_meanwhile_retries(tmp_pa
         return real_verify(*args, **kw)
 
     monkeypatch.setattr(fold_tokens._Sorted, "__init__", spy_open)
-    monkeypatch.setattr(storage, "verify", spy_verify)
+    monkeypatch.setattr(checksums, "verify", spy_verify)
     merge.fold_pending(root)
     assert done
     manifest = store.read_manifest(root)
@@ -607,9 +608,11 @@ def test_validate_fix_with_pending_partials_and_a_damaged_merged_table(tmp_path)
 
 
 def _forget_this_process(monkeypatch):
-    monkeypatch.setattr(store, "_WRITTEN", {})
-    monkeypatch.setattr(store, "_WRITTEN_KEY", {})
-    monkeypatch.setattr(store, "_VERIFIED", {})
+    from warehouse.store import verified
+
+    monkeypatch.setattr(verified, "_WRITTEN", {})
+    monkeypatch.setattr(verified, "_WRITTEN_KEY", {})
+    monkeypatch.setattr(verified, "_VERIFIED", {})
 
 
 def _flip_in_place(path: Path) -> None:
@@ -673,7 +676,7 @@ def test_a_torn_last_line_in_the_cache_costs_only_that_line(tmp_path, monkeypatc
 def test_a_cache_line_naming_another_checksum_is_not_trusted(tmp_path, monkeypatch):
     """A cache line for the right file version but recorded with another checksum (the record was
     replaced: a re-run at the same path cannot happen, but a hand-made line can) is not trusted."""
-    from warehouse import storage
+    from warehouse.storage import checksums
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     root = tmp_path / "wh"
@@ -687,8 +690,8 @@ def test_a_cache_line_naming_another_checksum_is_not_trusted(tmp_path, monkeypat
     key = store.file_key(path, {"blake2b": "0" * 32, "size": 1})
     store.append_verified(st, {path: key})
     hashed = []
-    real = storage.checksum
-    monkeypatch.setattr(storage, "checksum", lambda s, rel: hashed.append(rel) or real(s, rel))
+    real = checksums.checksum
+    monkeypatch.setattr(checksums, "checksum", lambda s, rel: hashed.append(rel) or real(s, rel))
     merge.fold_pending(root)
     assert b["files"]["token_sums"] in hashed
     check_against(root, oracle(root, [a, b]))

@@ -16,8 +16,10 @@ import pytest
 
 from common.errors import UserError
 from conftest import ROOT, run_cli
-from warehouse import commits, fold_tokens, merge, store
-from warehouse import fold as fold_module
+from warehouse import merge, store
+from warehouse.merge import commits, fold_tokens
+from warehouse.merge import fold as fold_module
+from warehouse.store import log as store_log
 from warehouse.query import connect
 from warehouse.validate import validate
 
@@ -175,14 +177,14 @@ def test_a_lone_partials_rows_give_the_same_tables_as_folding_them(tmp_path, sma
             [(c, "ascending") for c in ("layer", "token_id", "bucket") if c in st.read_table(f).column_names])
             for t, f in out["files"].items()}
 
-    fold, token_folds = fold_tokens._fold, []
+    fold, token_folds = fold_tokens.fold_rows, []
 
     def spy(S, *a):  # the layer totals fold one row; a chunk of token rows many
         token_folds.append(len(S) > 1)
         return fold(S, *a)
 
-    monkeypatch.setattr(fold_tokens, "_fold", spy)
-    monkeypatch.setattr(fold_module, "_fold", spy)
+    monkeypatch.setattr(fold_tokens, "fold_rows", spy)
+    monkeypatch.setattr(fold_module, "fold_rows", spy)
     fast = tables(tmp_path / "fast")
     assert token_folds and not any(token_folds)
     general = fold_tokens._merge_chunk
@@ -483,7 +485,7 @@ def test_an_interrupt_after_the_record_keeps_the_commit(tmp_path, monkeypatch):
     def interrupt(*_):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(store, "write_companions", interrupt)
+    monkeypatch.setattr(store_log, "write_companions", interrupt)
     with pytest.raises(KeyboardInterrupt):
         merge.commit(root, entries)
     monkeypatch.undo()

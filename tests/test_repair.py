@@ -436,12 +436,13 @@ def test_a_changed_byte_never_silently_changes_a_view(small, small_views, tmp_pa
 
 def test_connect_hashes_each_file_version_once(small, own_cache, tmp_path, monkeypatch):
     """A warm cache costs stat() calls only; a file whose bytes change is hashed again and refused."""
-    from warehouse import query, storage
+    from warehouse import query
+    from warehouse.storage import checksums
     from warehouse.query import connect
 
     calls = []
-    real = storage.checksum
-    monkeypatch.setattr(storage, "checksum", lambda st_, rel: calls.append(rel) or real(st_, rel))
+    real = checksums.checksum
+    monkeypatch.setattr(checksums, "checksum", lambda st_, rel: calls.append(rel) or real(st_, rel))
     wh = copy(small, tmp_path / "wh")
     listed = {rel for e in store.read_manifest(wh)["entries"].values() for rel in e["files"].values()}
     connect(wh).close()
@@ -466,7 +467,7 @@ def test_a_commit_puts_its_own_files_in_the_verified_cache(own_cache, tmp_path, 
     inode as right after the rename), so the first query hashes only what another process wrote —
     and a file changed between its write and the commit is not remembered."""
     from bench_query import write_partial
-    from warehouse import storage
+    from warehouse.storage import checksums
     from warehouse.query import connect
 
     root = tmp_path / "wh"
@@ -477,8 +478,8 @@ def test_a_commit_puts_its_own_files_in_the_verified_cache(own_cache, tmp_path, 
     os.utime(changed, ns=(1, 1))  # touched after its write: its times no longer match the ones at write
     merge.commit(root, [entry])
     calls = []
-    real = storage.checksum
-    monkeypatch.setattr(storage, "checksum", lambda st_, rel: calls.append(rel) or real(st_, rel))
+    real = checksums.checksum
+    monkeypatch.setattr(checksums, "checksum", lambda st_, rel: calls.append(rel) or real(st_, rel))
     connect(root).close()
     assert calls == [entry["files"]["token_sums"]]  # only the file touched after its write
     calls.clear()
@@ -487,7 +488,7 @@ def test_a_commit_puts_its_own_files_in_the_verified_cache(own_cache, tmp_path, 
 
 
 def test_connect_verifies_every_time_without_a_writable_cache(small, tmp_path, monkeypatch):
-    from warehouse import storage
+    from warehouse.storage import checksums
     from warehouse.query import connect
 
     ro = tmp_path / "ro-cache"
@@ -496,8 +497,8 @@ def test_connect_verifies_every_time_without_a_writable_cache(small, tmp_path, m
     ro.chmod(0o500)
     monkeypatch.setenv("XDG_CACHE_HOME", str(ro))
     calls = []
-    real = storage.checksum
-    monkeypatch.setattr(storage, "checksum", lambda st_, rel: calls.append(rel) or real(st_, rel))
+    real = checksums.checksum
+    monkeypatch.setattr(checksums, "checksum", lambda st_, rel: calls.append(rel) or real(st_, rel))
     wh = copy(small, tmp_path / "wh")
     try:
         assert all_views(wh) == all_views(small)

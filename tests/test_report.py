@@ -14,6 +14,7 @@ import pytest
 
 from conftest import run_cli
 from warehouse import report as rep
+from warehouse.report import page as rep_page
 from warehouse.query import connect
 
 # figure id → (view, key columns, value columns, restriction)
@@ -180,7 +181,7 @@ def test_token_text_is_shown_as_text(monkeypatch, trained, workdir):
     page = (out / "index.html").read_text()
     assert evil not in page and "window.__pwned" in page  # present, escaped
     assert "&lt;script&gt;window.__pwned" in page
-    assert "</script>" not in rep._script_json({"t": evil})
+    assert "</script>" not in rep_page._script_json({"t": evil})
 
 
 def _chromium() -> str | None:
@@ -221,10 +222,10 @@ def test_charts_drawn_once_equal_what_altair_saves(tmp_path):
 
     data = pl.DataFrame({"layer": list(range(6)) * 2, "inter_sim": [0.1 * i for i in range(12)],
                          "model": ["tied"] * 6 + ["untied é"] * 6})
-    chart = rep._configure(alt.Chart(data).mark_line(point=True).encode(x="layer:O", y="inter_sim:Q",
+    chart = rep_page._configure(alt.Chart(data).mark_line(point=True).encode(x="layer:O", y="inter_sim:Q",
                                                                          color="model:N"))
     fig = rep.Figure("f", "t", "c", chart=chart, data=data)
-    rep._draw(fig, tmp_path, png=True)
+    rep_page._draw(fig, tmp_path, png=True)
     chart.save(str(tmp_path / "alt.svg"))
     chart.save(str(tmp_path / "alt.png"), scale_factor=2)
     assert (tmp_path / "f.svg").read_text(encoding="utf-8") == (tmp_path / "alt.svg").read_text(encoding="utf-8")
@@ -234,18 +235,18 @@ def test_charts_drawn_once_equal_what_altair_saves(tmp_path):
 
 def test_the_vega_bundle_is_cached_per_version_and_an_unwritable_cache_is_only_slower(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    rep._js_bundle.cache_clear()
+    rep_page._js_bundle.cache_clear()
     try:
-        bundle = rep._js_bundle()
+        bundle = rep_page._js_bundle()
         [kept] = (tmp_path / "cache" / "isotropy-warehouse").iterdir()
         assert kept.name.startswith("vega-bundle-") and kept.read_text(encoding="utf-8") == bundle
         assert "vegaEmbed" in bundle
         kept.write_text("/* from the cache */", encoding="utf-8")
-        rep._js_bundle.cache_clear()
-        assert rep._js_bundle() == "/* from the cache */"  # read, not rebuilt
+        rep_page._js_bundle.cache_clear()
+        assert rep_page._js_bundle() == "/* from the cache */"  # read, not rebuilt
         (tmp_path / "file").write_text("")
         monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))  # a cache under a file: cannot be made
-        rep._js_bundle.cache_clear()
-        assert rep._js_bundle() == bundle
+        rep_page._js_bundle.cache_clear()
+        assert rep_page._js_bundle() == bundle
     finally:
-        rep._js_bundle.cache_clear()
+        rep_page._js_bundle.cache_clear()

@@ -358,13 +358,13 @@ def test_s3_lease_checksums_and_quarantine(s3env, tmp_path):
     orphan = "repair/tables/token_sums/model=m/checkpoint=c/source=s0/shard=3-of-3/20260101T000000-deadbeef.parquet"
     client.put_object(Bucket=BUCKET, Key=orphan, Body=b"orphan")
     client.put_object(Bucket=BUCKET, Key="repair/_inflight/20260101T000000-deadbeef.json",
-                      Body=json.dumps({"run_id": "20260101T000000-deadbeef", "host": store._HOST, "pid": 2 ** 22 + 7,
+                      Body=json.dumps({"run_id": "20260101T000000-deadbeef", "host": store.HOST, "pid": 2 ** 22 + 7,
                                        "heartbeat": time.time()}).encode())
     # a live lease (this process) protects its run's orphan
     live = "repair/tables/token_sums/model=m/checkpoint=c/source=s0/shard=4-of-4/20260101T000000-0badcafe.parquet"
     client.put_object(Bucket=BUCKET, Key=live, Body=b"in flight")
     client.put_object(Bucket=BUCKET, Key="repair/_inflight/20260101T000000-0badcafe.json",
-                      Body=json.dumps({"run_id": "20260101T000000-0badcafe", "host": store._HOST, "pid": os.getpid(),
+                      Body=json.dumps({"run_id": "20260101T000000-0badcafe", "host": store.HOST, "pid": os.getpid(),
                                        "heartbeat": time.time()}).encode())
     env = {**os.environ, **s3env["env"], "ISO_FAULT": "move:1"}
     proc = subprocess.run([sys.executable, str(ROOT / "cli.py"), "validate", "--warehouse", url, "--fix", "--grace", "0"],

@@ -33,7 +33,7 @@ def first_bound(wh) -> str:
     from warehouse import query, store
 
     manifest = store.read_manifest(wh)
-    return query._files("token_sums", [e for e in manifest["entries"].values() if "token_sums" in e["files"]])[0]
+    return query.bound_files("token_sums", [e for e in manifest["entries"].values() if "token_sums" in e["files"]])[0]
 
 
 def test_views_bind_by_one_file_and_read_every_dtype_exactly(tmp_path, monkeypatch):

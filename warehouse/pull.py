@@ -15,12 +15,13 @@ from common.errors import UserError
 
 from . import merge, query, schema, store
 from .storage import HashingStream, Storage, open_storage
+from .store import Checksum
 
 COPY_CHUNK = 8 << 20
 VIEW_ONLY_DROPS = {"data": ("token_sums", "moments", "samples", "sequence_moments"), "merged": schema.STATE_TABLES}
 
 
-def _copy(src: Storage, dest: Storage, rel: str, want: dict | None = None) -> int:
+def _copy(src: Storage, dest: Storage, rel: str, want: Checksum | None = None) -> int:
     """Copy one file, hashing it on the way: a copy that differs from its commit record's checksum
     (`want`) is refused with one line, before the copy's record is written."""
     store.hold_lease(dest, store.run_of(rel) or "pull")  # validate --fix leaves the copy alone

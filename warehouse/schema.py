@@ -280,9 +280,9 @@ TABLES: dict[str, pa.Schema] = {
 def write_options(table: str, arrow_schema: pa.Schema) -> dict:
     """Parquet writer options: zstd; dictionary encoding only for string columns (dictionary attempts on
     float vectors cost write time for nothing); token_stats' sorted ids delta-encoded and sum_sq
-    byte-stream-split (8.3 B per row instead of 11); vectors and d×d moments uncompressed (random
-    mantissas do not compress: zstd only costs time — for token_sums' float32 vectors 7 % of the bytes
-    for 1.5× the write time and 3× the read time, which every commit pays)."""
+    byte-stream-split (fewer bytes per row); vectors and d×d moments uncompressed (random mantissas
+    barely compress: zstd would save a few percent of the bytes and cost write and read time, which
+    every commit pays)."""
     opts = {"compression": "zstd", "use_dictionary": [f.name for f in arrow_schema if pa.types.is_string(f.type)]}
     if table == "token_sums":
         opts["compression"] = {f.name: ("none" if f.name == "vec" else "zstd") for f in arrow_schema}

@@ -9,7 +9,7 @@ What `--fix` does, and what it never does:
   what to re-extract.
 * A file no entry lists (left by a killed run) is *moved* to `_quarantine/<stamp>/<rel path>`, never
   deleted, and only when provably orphaned: older than the grace period (`grace_s`, default 1 hour)
-  AND not written under a run id whose lease (`_inflight/<run_id>.json`, store.py) is live.  The
+  AND not written under a run id whose lease (`_inflight/<run_id>.json`, warehouse.store.leases) is live.  The
   listing of files is taken before the leases and the state are read, so a writer that committed
   meanwhile is seen as committed, and one still in flight is seen by its lease.
 * It touches nothing when the commit log is unreadable, damaged, has a gap, or is behind a companion
@@ -38,6 +38,7 @@ from common.errors import UserError
 
 from . import merge, query, schema, store
 from .storage import Storage, open_storage, verify
+from .store import Entry, Manifest
 
 GRACE_S = 3600.0  # default grace period: a file not listed must be at least this old to be quarantined
 
@@ -56,7 +57,7 @@ def _same_type(got: pa.DataType, want: pa.DataType, table: str, column: str) -> 
     return got == want
 
 
-def check_file(st: Storage, rel: str, table: str, entry: dict) -> list[str]:
+def check_file(st: Storage, rel: str, table: str, entry: Entry) -> list[str]:
     """Problems of one listed file: missing, size or checksum unlike its record, unreadable, columns
     or types unlike the schema, partition values inside it unlike the manifest."""
     if not st.exists(rel):
@@ -108,10 +109,11 @@ def _check_log(st: Storage, files: list[str], leases: dict) -> list[int]:
     are provably a killed first run's."""
     seqs = store.latest_seqs(st, full=True)  # a gap or a lost latest record: one line, nothing touched
     for seq in seqs:
-        rec = store._read_record(st, seq)  # a damaged record: one line naming it
-        rel = f"{store.LOG_DIR}/{store._record_name(seq)}"
+        rec = store.read_record(st, seq)  # a damaged record: one line naming it
+        rel = f"{store.LOG_DIR}/{store.record_name(seq)}"
         if st.read_bytes(rel) != store.record_bytes(rec):  # e.g. a changed space: parses to the same
-            raise UserError(f"{st.display(rel)}: damaged commit record (its bytes are not as written); {store._RESTORE}")
+            raise UserError(f"{st.display(rel)}: damaged commit record (its bytes are not as written); "
+                            f"{store.RESTORE_HINT}")
     if not seqs and files and not all(store.run_of(rel) in leases for rel in files):
         raise UserError(f"{st}: holds tables/ but no readable commit log ({store.LOG_DIR}/ missing or empty): "
                         "not a complete warehouse (a partial copy or restore?); nothing was changed — "
@@ -253,7 +255,7 @@ def _moved_only(got: bytes, want: bytes) -> bool:
     return got.replace(have.pop(), where.pop()) == want
 
 
-def _companions(root: Storage, manifest: dict, fix: bool, say) -> list[str]:
+def _companions(root: Storage, manifest: Manifest, fix: bool, say) -> list[str]:
     """manifest.json, runs.parquet and views.sql against what the log says they hold.  Missing or
     behind the log (a writer died between its record and them): rewritten, as every query does.
     Claiming the latest generation (or none) but differing: reported, and rewritten by --fix.  Compared

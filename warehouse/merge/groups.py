@@ -14,9 +14,9 @@ from typing import Iterable
 
 from common.errors import UserError
 
-from . import store
-from .storage import Checked, open_storage
-from .store import partial_id
+from .. import store
+from ..storage import Checked, open_storage
+from ..store import Entry, Manifest, partial_id
 
 ALL = "all"
 
@@ -25,11 +25,13 @@ def group_key(model: str, checkpoint: str, group: str) -> str:
     return store.entry_key("merged", model, checkpoint, group)
 
 
-def _in_group(entry: dict, group: str) -> bool:
+def in_group(entry: Entry, group: str) -> bool:
+    """Whether data entry `entry` belongs to `group` (its own source, or 'all')."""
     return group == ALL or entry["source"] == group
 
 
-def _data_by_pair(manifest: dict) -> dict[tuple[str, str], list[dict]]:
+def data_by_pair(manifest: Manifest) -> dict[tuple[str, str], list[Entry]]:
+    """The manifest's data entries (partials) by (model, checkpoint)."""
     out = defaultdict(list)
     for e in manifest["entries"].values():
         if e["kind"] == "data":
@@ -37,11 +39,12 @@ def _data_by_pair(manifest: dict) -> dict[tuple[str, str], list[dict]]:
     return out
 
 
-def _inputs(entries: Iterable[dict]) -> list[str]:
+def inputs_of(entries: Iterable[Entry]) -> list[str]:
+    """The `inputs` of a merged entry that holds exactly `entries`: their partial ids, sorted."""
     return sorted(partial_id(e) for e in entries)
 
 
-def repair_hint(entry: dict) -> str:
+def repair_hint(entry: Entry) -> str:
     """What to do about a damaged or lost file of `entry`."""
     where = f"{entry['model']}@{entry['checkpoint']}"
     if entry["kind"] == "merged":
@@ -53,7 +56,7 @@ def repair_hint(entry: dict) -> str:
     return f"it cannot be rebuilt: re-extract {where} (its parameter tables)"
 
 
-def checked(root, entries: Iterable[dict | None]) -> Checked:
+def checked(root, entries: Iterable[Entry | None]) -> Checked:
     """`root` whose reads of the entries' files verify them against their commit records' checksums
     first (each file once per fold, and not at all when this process wrote or verified that very file
     version, or connect() did: store.known_good): a fold never reads a byte its record did not write."""
@@ -71,11 +74,11 @@ def checked(root, entries: Iterable[dict | None]) -> Checked:
     return Checked(st, expected, on_verified=lambda rel, want: store.note_verified(st, rel, want))
 
 
-def is_compacted(manifest: dict, model: str, checkpoint: str) -> bool:
+def is_compacted(manifest: Manifest, model: str, checkpoint: str) -> bool:
     return bool(manifest["entries"].get(group_key(model, checkpoint, ALL), {}).get("compacted"))
 
 
-def check_open(manifest: dict, model: str, checkpoint: str) -> None:
+def check_open(manifest: Manifest, model: str, checkpoint: str) -> None:
     """A compacted checkpoint takes no new partial: its per-token vectors are gone."""
     if is_compacted(manifest, model, checkpoint):
         raise UserError(
@@ -83,28 +86,26 @@ def check_open(manifest: dict, model: str, checkpoint: str) -> None:
             f"partial cannot be merged exactly; extract into another --warehouse")
 
 
-
-
 # ---------------------------------------------------------------- what each group holds
 
 
-def expected_groups(manifest: dict) -> dict[str, tuple[str, str, str, list[dict]]]:
+def expected_groups(manifest: Manifest) -> dict[str, tuple[str, str, str, list[Entry]]]:
     """Merged entry key → (model, checkpoint, group, member data entries) the data calls for."""
     out = {}
-    for (model, checkpoint), entries in _data_by_pair(manifest).items():
+    for (model, checkpoint), entries in data_by_pair(manifest).items():
         for group in sorted({e["source"] for e in entries}) + [ALL]:
             out[group_key(model, checkpoint, group)] = (model, checkpoint, group,
-                                                        [e for e in entries if _in_group(e, group)])
+                                                        [e for e in entries if in_group(e, group)])
     return out
 
 
-def folded_members(manifest: dict, key: str, members: list[dict]) -> list[dict]:
+def folded_members(manifest: Manifest, key: str, members: list[Entry]) -> list[Entry]:
     """The members of group `key` that its merged entry holds (none without one)."""
     inputs = set(manifest["entries"].get(key, {}).get("inputs") or ())
     return [e for e in members if partial_id(e) in inputs]
 
 
-def pending(manifest: dict) -> dict[str, list[dict]]:
+def pending(manifest: Manifest) -> dict[str, list[Entry]]:
     """Merged entry key → the group's partials committed but not folded into it yet (only groups that
     have some): `commit(..., fold=False)` appends partials, `fold_pending` folds them in one pass."""
     out = {}
@@ -116,12 +117,12 @@ def pending(manifest: dict) -> dict[str, list[dict]]:
     return out
 
 
-def pending_pairs(manifest: dict) -> list[tuple[str, str]]:
+def pending_pairs(manifest: Manifest) -> list[tuple[str, str]]:
     """(model, checkpoint) pairs with a partial not folded into every group it belongs to."""
     return sorted({(m["model"], m["checkpoint"]) for todo in pending(manifest).values() for m in todo})
 
 
-def stale_groups(manifest: dict) -> tuple[list[str], list[str]]:
+def stale_groups(manifest: Manifest) -> tuple[list[str], list[str]]:
     """(merged keys whose entry holds a partial the manifest no longer lists — it was dropped without
     being un-folded: a hand-edited manifest or a warehouse restored in parts —, merged keys left over
     with no partial).  A group that holds fewer partials than it has is not stale but pending."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 from common import faults
 from common.errors import UserError
 
-from . import schema, store
-from .storage import Storage, open_storage
-from .commits import _publish_retrying, fold_pending
-from .groups import ALL, _data_by_pair, expected_groups, pending_pairs, stale_groups
+from .. import schema, store
+from ..storage import Storage, open_storage
+from ..store import Manifest
+from .commits import publish_retrying, fold_pending
+from .groups import ALL, data_by_pair, expected_groups, pending_pairs, stale_groups
 
 
 class _Pending(Exception):
@@ -26,7 +27,7 @@ def compact(root, model: str | None = None, checkpoint: str | None = None) -> di
 
     def make(manifest):
         stale, _ = stale_groups(manifest)
-        pairs = sorted(p for p in _data_by_pair(manifest)
+        pairs = sorted(p for p in data_by_pair(manifest)
                        if (model is None or p[0] == model) and (checkpoint is None or p[1] == checkpoint))
         if not pairs:
             raise UserError(f"no extracted checkpoint matches model={model!r} checkpoint={checkpoint!r}")
@@ -49,7 +50,7 @@ def compact(root, model: str | None = None, checkpoint: str | None = None) -> di
     for _ in range(1000):
         fold_pending(root, model, checkpoint)
         try:
-            _publish_retrying(root, make)
+            publish_retrying(root, make)
             break
         except _Pending:
             continue
@@ -59,7 +60,7 @@ def compact(root, model: str | None = None, checkpoint: str | None = None) -> di
     return {"checkpoints": len(sizes["pairs"]), "before": sizes["before"], "after": after}
 
 
-def _token_bytes(root: Storage, manifest: dict, pairs: list[tuple[str, str]]) -> dict:
+def _token_bytes(root: Storage, manifest: Manifest, pairs: list[tuple[str, str]]) -> dict:
     """Bytes of the token-level files of `pairs` and the (layer, token type) cells they cover."""
     total, cells = 0, 0
     for e in manifest["entries"].values():

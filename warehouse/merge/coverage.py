@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 
-
 from common.errors import UserError
+
+from ..store import Entry, Manifest
 
 
 # ---------------------------------------------------------------- what a partial covers
@@ -17,7 +18,7 @@ from common.errors import UserError
 # I ≡ J (mod gcd(N, M)) (Chinese remainder theorem), whatever the number of documents.
 
 
-def shard_of(entry: dict) -> tuple[int, int]:
+def shard_of(entry: Entry) -> tuple[int, int]:
     i, _, n = (entry.get("shard") or "1-of-1").partition("-of-")
     return int(i), int(n)
 
@@ -34,11 +35,11 @@ def overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return (i - j) % math.gcd(n, m) == 0
 
 
-def _identity(entry: dict) -> str | None:
+def _identity(entry: Entry) -> str | None:
     return entry.get("provenance", {}).get("model_identity")
 
 
-def replacements(manifest: dict, entries: list[dict]) -> tuple[list[dict], list[tuple[dict, str]]]:
+def replacements(manifest: Manifest, entries: list[Entry]) -> tuple[list[Entry], list[tuple[Entry, str]]]:
     """(committed entries the new `entries` replace, [(committed entry, why)] they conflict with).
 
     Replaced: a data partial of the same (model, checkpoint, source) whose documents the new one
@@ -72,7 +73,7 @@ def replacements(manifest: dict, entries: list[dict]) -> tuple[list[dict], list[
     return [e for k, e in replaced.items() if k not in conflicts], list(conflicts.values())
 
 
-def conflict_line(conflicts: list[tuple[dict, str]]) -> str:
+def conflict_line(conflicts: list[tuple[Entry, str]]) -> str:
     """One line naming the first conflict (and how many more), and the ways out."""
     old, why = conflicts[0]
     what = f"{old['model']}@{old['checkpoint']}"
@@ -92,15 +93,14 @@ def conflict_line(conflicts: list[tuple[dict, str]]) -> str:
             "it (then extract the other shards of the new sharding)")
 
 
-def check_conflicts(manifest: dict, entries: list[dict]) -> None:
+def check_conflicts(manifest: Manifest, entries: list[Entry]) -> None:
     """Before any forward pass: the conflicts `commit` would refuse (without --replace)."""
     _, conflicts = replacements(manifest, entries)
     if conflicts:
         raise UserError(conflict_line(conflicts))
 
 
-
-def check_disjoint(entries: list[dict]) -> None:
+def check_disjoint(entries: list[Entry]) -> None:
     """One commit's own data partials must not share documents: two overlapping shards of one source
     of one (model, checkpoint) would count those documents twice (the CLI never makes such a commit;
     the library API could)."""

@@ -10,7 +10,8 @@ import pyarrow as pa
 
 from common.errors import UserError
 
-from .storage import Storage, open_storage
+from ..storage import Storage, open_storage
+from ..store import Manifest
 
 from .commits import discard
 from .fold import fold_group
@@ -80,7 +81,7 @@ def compare_tables(a: pa.Table, b: pa.Table, table: str) -> str | None:
     return None
 
 
-def check(root, manifest: dict) -> list[tuple[str, str]]:
+def check(root, manifest: Manifest) -> list[tuple[str, str]]:
     """(merged key, problem) for groups that are stale or left over, or any of whose merged tables
     differs from a fresh merge of the partials it holds (pending ones aside) beyond TOLERANCES; compacted groups: layer counts
     against the partials' layer_sums.  Inputs are verified against their checksums first (a corrupt
@@ -134,4 +135,3 @@ def check(root, manifest: dict) -> list[tuple[str, str]]:
             finally:
                 discard(tmp, [fresh])
     return problems
-

@@ -7,9 +7,9 @@ bottom-k sample one layer at a time (O(k·d)).  Removing a partial un-folds its 
 the group's moments and samples are then re-merged from its members (a bottom-k sample cannot be
 un-merged; a removal is rare, and the moments then cost one read of the members' d×d tables).
 
-Storage per group: token_stats ~12–20 B per (layer, token type) compressed; token_vectors 8·d B per
-(layer, token type), written only for a group of two or more partials (one partial's state is its
-own token_sums), and moments_merged 16·d² B per layer, until `compact` drops them.
+Storage per group: token_stats a few bytes per (layer, token type) compressed; token_vectors 8·d B
+per (layer, token type), written only for a group of two or more partials (one partial's state is
+its own token_sums), and moments_merged 16·d² B per layer, until `compact` drops them.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ import numpy as np
 import pyarrow as pa
 
 
-from . import schema, store
-from .storage import Storage, open_storage
-from .fold_tokens import _fold, _fold_tokens
-from .groups import _inputs, checked, group_key
-from .measures import (covariance, cross_covariance, linearity_from_cov, similarities_from_cov, twonn_microscope,
+from .. import schema, store
+from ..storage import Storage, open_storage
+from ..store import Entry
+from .fold_tokens import fold_rows, fold_token_state
+from .groups import checked, group_key, inputs_of
+from ..measures import (covariance, cross_covariance, linearity_from_cov, similarities_from_cov, twonn_microscope,
                        twonn_skdim)
 
 # ---------------------------------------------------------------- layer totals
@@ -37,7 +38,7 @@ _LAYER_INTS = ("n", "n_nonfinite", "n_zero", "windows")
 _LAYER_VECS = ("sum_h", "sum_u2")
 
 
-def _fold_layers(st: Storage, old: dict | None, adds: list[dict], removes: list[dict]) -> dict[int, dict]:
+def _fold_layers(st: Storage, old: Entry | None, adds: list[Entry], removes: list[Entry]) -> dict[int, dict]:
     """layer_totals of the group: the old ones, minus the removed partials' layer_sums, plus the added."""
     state: dict[int, dict] = {}
     if old is not None:
@@ -54,7 +55,7 @@ def _fold_layers(st: Storage, old: dict | None, adds: list[dict], removes: list[
                         "sum_sq": 0.0, "window_cos": 0.0, "vec": np.zeros_like(v),
                         **{k: 0 for k in _LAYER_INTS}, **{k: np.zeros_like(v) for k in _LAYER_VECS}}
                 sq = np.array([tot["sum_sq"]])
-                _fold(tot["vec"].reshape(1, -1), sq, np.array([0]), v[None], np.array([r["sum_sq"]]), sign)
+                fold_rows(tot["vec"].reshape(1, -1), sq, np.array([0]), v[None], np.array([r["sum_sq"]]), sign)
                 tot["sum_sq"] = float(sq[0])
                 for k in _LAYER_INTS:
                     tot[k] += sign * r[k]
@@ -69,8 +70,8 @@ def _fold_layers(st: Storage, old: dict | None, adds: list[dict], removes: list[
 _WINDOW_SCALARS = schema.WINDOW_SCALARS
 
 
-def _window_scalars(st: Storage, layers: dict[int, dict], old: dict | None, adds: list[dict],
-                    removes: list[dict], members: list[dict]) -> None:
+def _window_scalars(st: Storage, layers: dict[int, dict], old: Entry | None, adds: list[Entry],
+                    removes: list[Entry], members: list[Entry]) -> None:
     """Set the window scalars of `layers`: the old merged values plus the added partials' when nothing
     is removed (as the other layer totals), else the sums over the members' layer_sums (L rows each;
     a NULL cannot be un-added).  A partial lacking a layer's values makes them NULL."""
@@ -94,7 +95,7 @@ def _window_scalars(st: Storage, layers: dict[int, dict], old: dict | None, adds
         r.update(tot[layer])
 
 
-def _fold_sequences(st: Storage, old: dict | None, adds: list[dict], removes: list[dict], members: list[dict],
+def _fold_sequences(st: Storage, old: Entry | None, adds: list[Entry], removes: list[Entry], members: list[Entry],
                     n_layers: int, out: "_Writers") -> None:
     """Merged sequence moments (the old merged ones plus the new partials' when nothing is removed,
     else from the members) and their eigenvalues, per layer and pooling."""
@@ -135,7 +136,7 @@ def _fold_sequences(st: Storage, old: dict | None, adds: list[dict], removes: li
 _MASSIVE_COLUMNS = ("layer", "rank", "abs_value", "dim", "token_id", "document", "position")
 
 
-def _merge_massive(st: Storage, old: dict | None, adds: list[dict], removes: list[dict], members: list[dict],
+def _merge_massive(st: Storage, old: Entry | None, adds: list[Entry], removes: list[Entry], members: list[Entry],
                    out: "_Writers") -> None:
     """The group's top-k |h| per layer: the top-k of the old merged top-k and the added partials'
     (all members' when a partial is removed), ordered by |h| descending, then document source,
@@ -195,12 +196,12 @@ def _moment_rows(table: pa.Table) -> Iterator[dict]:
                "s1": vec("s1"), "s2": vec("s2"), "s_cross": vec("s_cross")}
 
 
-def _moments_layer(st: Storage, layer: int, sources: list[tuple[dict, str]]) -> dict | None:
+def _moments_layer(st: Storage, layer: int, sources: list[tuple[Entry, str]]) -> dict | None:
     """The sum of the given moments tables (entry, table) at one layer (None: no rows)."""
     return _moment_sum(r for e, t in sources for r in _moment_rows(_read_layer(st, e["files"][t], layer)))
 
 
-def _sample_layer(st: Storage, layer: int, sources: list[tuple[dict, str]], k: int) -> pa.Table | None:
+def _sample_layer(st: Storage, layer: int, sources: list[tuple[Entry, str]], k: int) -> pa.Table | None:
     """The bottom-k (by key) of the union of the given samples at one layer."""
     cols = ["key", "document", "position", "token_id", "vec"]
     parts = [_read_layer(st, e["files"][t], layer, cols) for e, t in sources]
@@ -247,8 +248,8 @@ class _Writers:
         store.release_leases(self.st, [self.run_id])
 
 
-def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, adds: list[dict],
-               removes: list[dict], members: list[dict], dest=None) -> dict:
+def fold_group(root, model: str, checkpoint: str, group: str, old: Entry | None, adds: list[Entry],
+               removes: list[Entry], members: list[Entry], dest=None) -> Entry:
     """Write the merged files of one group after removing `removes` and adding `adds` to the state of
     its merged entry `old` (None: from nothing), and return the new merged entry.  `members` are the
     group's data entries afterwards.  The files are read from `root` and written to `dest` (default:
@@ -258,7 +259,7 @@ def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, 
     key = {"model": model, "checkpoint": checkpoint, "step": step, "source": group}
     out = _Writers(open_storage(dest) if dest is not None else st.inner, key, store.new_run_id())
     try:
-        types = _fold_tokens(st, key, old, adds, removes, members, d, out)
+        types = fold_token_state(st, key, old, adds, removes, members, d, out)
         layers = _fold_layers(st, old, adds, removes)
         _window_scalars(st, layers, old, adds, removes, members)
         if layers:
@@ -301,12 +302,12 @@ def fold_group(root, model: str, checkpoint: str, group: str, old: dict | None, 
         "key": group_key(model, checkpoint, group), "kind": "merged", "model": model, "checkpoint": checkpoint,
         "step": step, "source": group, "shard": None, "run_id": out.run_id,
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "hidden_size": d, "files": files,
-        "inputs": _inputs(members), "stats": {"partials": len(members)},
+        "inputs": inputs_of(members), "stats": {"partials": len(members)},
         "settings": {"sample": derived["sample_k"]}, "provenance": {},
     }
 
 
-def relabel_group(root, entry: dict, group: str) -> dict:
+def relabel_group(root, entry: Entry, group: str) -> Entry:
     """A copy of merged entry `entry` as the merged entry of `group`, which has the same partials
     (in practice 'all' of a one-source checkpoint), so the same merged tables:
     every file copied row group by row group with its source column set to `group`."""
@@ -329,7 +330,7 @@ def relabel_group(root, entry: dict, group: str) -> dict:
             "run_id": out.run_id, "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": files}
 
 
-def _fold_derived(st: Storage, old: dict | None, adds: list[dict], removes: list[dict], members: list[dict],
+def _fold_derived(st: Storage, old: Entry | None, adds: list[Entry], removes: list[Entry], members: list[Entry],
                   n_layers: int, out: _Writers) -> dict:
     """Merged moments and sample, and what the peers' measures make of them, layer by layer."""
     res = {"n": {}, "linearity": {}, "twonn": {}, "sample_k": None}
@@ -393,4 +394,3 @@ def _fold_derived(st: Storage, old: dict | None, adds: list[dict], removes: list
             if len(X) >= 10:
                 res["twonn"][layer] = (len(X), twonn_microscope(X), twonn_skdim(X))
     return res
-

@@ -21,8 +21,9 @@ import pyarrow as pa
 
 from common.errors import UserError
 
-from . import store
-from .storage import Storage
+from .. import store
+from ..storage import Storage
+from ..store import Entry
 
 
 CHUNK_BYTES = 8 << 20  # float64 rows of one token chunk per stream
@@ -44,8 +45,8 @@ class _Sorted:
     `batch_rows` rows at a time (memory bounded whatever the file's size)."""
 
     def __init__(self, st: Storage, rel: str, columns: list[str], batch_rows: int):
-        # pre_buffer=False: with pre-buffering, iter_batches kept every row group read so far in
-        # Arrow's pool (measured: RSS grew by the whole file, 2 GB for a 1.7 GB partial)
+        # pre_buffer=False: with pre-buffering, iter_batches keeps every row group read so far in
+        # Arrow's pool (memory would grow to the whole file)
         self._file = st.parquet_file(rel, pre_buffer=False)
         self._batches = self._file.iter_batches(batch_size=batch_rows, columns=columns)
         self._buf: pa.Table | None = None
@@ -97,7 +98,7 @@ def _rowdot(A: np.ndarray, B: np.ndarray) -> np.ndarray:
     return np.einsum("ij,ij->i", A, B)
 
 
-def _fold(S: np.ndarray, sq: np.ndarray, pos: np.ndarray, v: np.ndarray, sq_p: np.ndarray, sign: int) -> None:
+def fold_rows(S: np.ndarray, sq: np.ndarray, pos: np.ndarray, v: np.ndarray, sq_p: np.ndarray, sign: int) -> None:
     """The merge algebra, in place on rows `pos` of S (m, d) and sq (m,), for partial sums v with
     ‖v‖² = sq_p: fold (sign +1) sq += sq_p + 2⟨S, v⟩, S += v; un-fold (−1) S −= v, sq −= sq_p + 2⟨S, v⟩."""
     if sign > 0:
@@ -108,7 +109,7 @@ def _fold(S: np.ndarray, sq: np.ndarray, pos: np.ndarray, v: np.ndarray, sq_p: n
         sq[pos] -= sq_p + 2 * _rowdot(S[pos], v)
 
 
-class _TypeStats:
+class TypeStats:
     """Per layer: types with ‖S_t‖ > 0 and Σ_t S_t/‖S_t‖; the types with n_t ≥ 2 and the sum of
     their Intra-Sim (‖S_t‖² − n_t)/(n_t² − n_t) (avg_intra_sim, without a pass over every token row
     at query time: 82 M rows in a 63-checkpoint sweep); and per frequency bucket ⌊log₂ n_t⌋ the
@@ -151,7 +152,7 @@ class _TypeStats:
 
 
 def _merge_chunk(o_stats: pa.Table | None, o_vecs: pa.Table | None, r_parts: list, a_parts: list, d: int,
-                 old: dict | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                 old: Entry | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One chunk of token ids: the merged (ids ascending (m,), n (m,), ‖Σû‖² (m,), Σû (m, d)) from the
     old state's rows, minus the removed partials' rows, plus the added ones' (each None where it has
     no row in the chunk).  A chunk holding one added partial's rows alone (a first commit, a rebuild
@@ -181,7 +182,7 @@ def _merge_chunk(o_stats: pa.Table | None, o_vecs: pa.Table | None, r_parts: lis
     for sign, parts in ((-1, r_parts), (1, a_parts)):  # un-fold the replaced, fold the new
         for t in (t for t in parts if t is not None):
             pos = np.searchsorted(ids, t.column("token_id").to_numpy())
-            _fold(S, sq, pos, _matrix(t, d), t.column("sum_sq").to_numpy(), sign)
+            fold_rows(S, sq, pos, _matrix(t, d), t.column("sum_sq").to_numpy(), sign)
             n[pos] += sign * t.column("n").to_numpy()
     if (n < 0).any():
         raise UserError("merged counts went negative while un-merging a replaced partial: the merged "
@@ -189,8 +190,8 @@ def _merge_chunk(o_stats: pa.Table | None, o_vecs: pa.Table | None, r_parts: lis
     return ids, n, sq, S
 
 
-def _fold_tokens(st: Storage, key: dict, old: dict | None, adds: list[dict], removes: list[dict],
-                 members: list[dict], d: int, writers: dict) -> _TypeStats:
+def fold_token_state(st: Storage, key: dict, old: Entry | None, adds: list[Entry], removes: list[Entry],
+                     members: list[Entry], d: int, writers: dict) -> TypeStats:
     """Stream the group's merged token state, the partials to remove and the partials to add, chunk
     by chunk of token ids, into new token_stats and token_vectors files; returns the type statistics.
 
@@ -215,7 +216,7 @@ def _fold_tokens(st: Storage, key: dict, old: dict | None, adds: list[dict], rem
         rms = [_Sorted(st, e["files"]["token_sums"], cols, chunk_rows) for e in removes]
         ads = [_Sorted(st, e["files"]["token_sums"], cols, chunk_rows) for e in adds]
         streams += rms + ads
-        stats = _TypeStats(d)
+        stats = TypeStats(d)
         pending: dict[str, list] = defaultdict(list)
         pending_rows = 0
 
@@ -259,4 +260,3 @@ def _fold_tokens(st: Storage, key: dict, old: dict | None, adds: list[dict], rem
     finally:
         for s in streams:
             s.close()
-

@@ -1,4 +1,4 @@
-"""Merging partials into the merged tables the views read: the public face of five modules, one role each.
+"""Merging partials into the merged tables the views read: the public face of seven modules, one role each.
 
 - groups.py       which merged entry (group) a partial folds into, what each holds, what is pending
 - fold_tokens.py  the streaming k-way fold of per-token sums (the algebra, float64, memory bounded)
@@ -11,7 +11,7 @@
 A partial is one (model, checkpoint, source, shard) run's sums; its groups are its source and 'all'.
 Views read only merged tables, so they answer in the same time whatever the number of partials; a
 merged entry holds exactly the partials its `inputs` list (never part of one), and the partials
-committed since are pending until a fold (commits.py).
+committed since are pending until a fold (commits.py).  Above warehouse.store, below warehouse.query.
 """
 
 from .checks import TOLERANCES, check, compare_tables  # noqa: F401
@@ -22,7 +22,7 @@ from .coverage import check_conflicts, conflict_line, covers, overlaps, replacem
 from .fold import fold_group, relabel_group  # noqa: F401
 from .groups import (ALL, check_open, checked, expected_groups, folded_members, group_key, is_compacted,  # noqa: F401
                      partial_id, pending, pending_pairs, repair_hint, stale_groups)
-from .storage import open_storage  # noqa: F401
+from ..storage import open_storage  # noqa: F401
 
 __all__ = ["TOLERANCES", "check", "compare_tables", "commit", "committed_files", "discard", "empty_groups",
            "fold_groups", "fold_pending", "held", "rebuild", "compact", "check_conflicts", "conflict_line", "covers",

@@ -24,22 +24,23 @@ from typing import Iterable
 from common import faults
 from common.errors import UserError
 
-from . import store
-from .storage import open_storage
+from .. import store
+from ..storage import open_storage
+from ..store import Entry, Manifest
 from .coverage import check_disjoint, conflict_line, replacements
 from .fold import fold_group, relabel_group
-from .groups import (ALL, _data_by_pair, _in_group, check_open, expected_groups, group_key, partial_id, pending,
+from .groups import (ALL, check_open, data_by_pair, expected_groups, group_key, in_group, partial_id, pending,
                      stale_groups)
 
 # ---------------------------------------------------------------- folds
 
 
-def held(manifest: dict) -> set[str]:
+def held(manifest: Manifest) -> set[str]:
     """Partials (partial_id) that some merged entry holds."""
     return {i for e in manifest["entries"].values() if e["kind"] == "merged" for i in e.get("inputs") or ()}
 
 
-def fold_groups(root, manifest: dict, data: list[dict], dropped: Iterable[dict] = (),
+def fold_groups(root, manifest: Manifest, data: list[Entry], dropped: Iterable[Entry] = (),
          pairs: Iterable[tuple[str, str]] = ()) -> list[dict]:
     """New merged entries, their files written but not committed, for every group of the (model,
     checkpoint) pairs of `data`, of `dropped` and of `pairs` that does not hold exactly its partials
@@ -59,8 +60,8 @@ def fold_groups(root, manifest: dict, data: list[dict], dropped: Iterable[dict] 
         by_pair.setdefault((e["model"], e["checkpoint"]), [])
     for pair in pairs:
         by_pair.setdefault(tuple(pair), [])
-    current_all = _data_by_pair(manifest)
-    out: list[dict] = []
+    current_all = data_by_pair(manifest)
+    out: list[Entry] = []
     try:
         for (model, checkpoint), new in sorted(by_pair.items()):
             check_open(manifest, model, checkpoint)
@@ -72,14 +73,14 @@ def fold_groups(root, manifest: dict, data: list[dict], dropped: Iterable[dict] 
             after.update({e["key"]: e for e in new})
             folded: dict[frozenset, dict] = {}  # the partials of a group folded here → its merged entry
             for group in sorted({e["source"] for e in [*after.values(), *replaced]}) + [ALL]:
-                inside = [e for e in after.values() if _in_group(e, group)]
+                inside = [e for e in after.values() if in_group(e, group)]
                 if not inside:  # every partial of the group dropped: its merged entry goes (empty_groups)
                     continue
                 key = group_key(model, checkpoint, group)
                 old = manifest["entries"].get(key)
                 inputs = set(old.get("inputs") or ()) if old else set()
                 adds = [e for e in inside if partial_id(e) not in inputs]
-                removes = [e for e in replaced if _in_group(e, group) and partial_id(e) in inputs]
+                removes = [e for e in replaced if in_group(e, group) and partial_id(e) in inputs]
                 if inputs - {partial_id(e) for e in [*inside, *removes]}:
                     raise UserError(f"{key}: its merged tables hold a partial the manifest no longer lists "
                                     "(run `python cli.py validate --fix`)")
@@ -97,12 +98,12 @@ def fold_groups(root, manifest: dict, data: list[dict], dropped: Iterable[dict] 
     return out
 
 
-def _bases(manifest: dict, merged: list[dict]) -> dict[str, str | None]:
+def _bases(manifest: Manifest, merged: list[Entry]) -> dict[str, str | None]:
     """The run of the merged entry each new one was folded on (None: from nothing)."""
     return {m["key"]: manifest["entries"].get(m["key"], {}).get("run_id") for m in merged}
 
 
-def _leaves_stale(manifest: dict, put: list[dict], remove: list[str]) -> bool:
+def _leaves_stale(manifest: Manifest, put: list[Entry], remove: list[str]) -> bool:
     """Whether the state after putting `put` and removing `remove` would have a merged entry holding
     a partial it no longer lists (the guard that keeps every record exact)."""
     gone = set(remove)
@@ -111,7 +112,7 @@ def _leaves_stale(manifest: dict, put: list[dict], remove: list[str]) -> bool:
     return bool(stale_groups(after)[0])
 
 
-def _still_valid(manifest: dict, merged: list[dict], bases: dict, entries: list[dict] = (),
+def _still_valid(manifest: Manifest, merged: list[Entry], bases: dict, entries: list[Entry] = (),
                  drop: Iterable[str] = ()) -> bool:
     """Whether merged entries folded on an older state can be published on `manifest` as they are:
     no other writer replaced the merged entries they were folded on, and every partial they hold is
@@ -123,7 +124,7 @@ def _still_valid(manifest: dict, merged: list[dict], bases: dict, entries: list[
                and set(m["inputs"]) <= listed for m in merged)
 
 
-def empty_groups(manifest: dict, entries: list[dict], dropped: list[dict]) -> list[str]:
+def empty_groups(manifest: Manifest, entries: list[Entry], dropped: list[Entry]) -> list[str]:
     """Merged entries left without partials once `dropped` go and `entries` come."""
     keys = {e["key"] for e in dropped} - {e["key"] for e in entries}
     after = [e for e in manifest["entries"].values() if e["kind"] == "data" and e["key"] not in keys] + \
@@ -140,7 +141,7 @@ def empty_groups(manifest: dict, entries: list[dict], dropped: list[dict]) -> li
     return out
 
 
-def discard(root, entries: list[dict]) -> None:
+def discard(root, entries: list[Entry]) -> None:
     """Remove the entries' files (uncommitted ones); a storage fault leaves them as orphans, which are
     invisible and removed by `validate --fix`."""
     st = open_storage(root)
@@ -151,7 +152,7 @@ def discard(root, entries: list[dict]) -> None:
     store.release_leases(st, {store.run_of(rel) for e in entries for rel in e["files"].values()})
 
 
-def committed_files(root, entries: list[dict]) -> set[str]:
+def committed_files(root, entries: list[Entry]) -> set[str]:
     """The files of those `entries` that the current state lists (their record was created)."""
     try:
         live = store.read_manifest(root)["entries"]
@@ -160,14 +161,14 @@ def committed_files(root, entries: list[dict]) -> set[str]:
     return {f for e in entries if live.get(e["key"], {}).get("run_id") == e["run_id"] for f in e["files"].values()}
 
 
-def _discard_unless_committed(root, entries: list[dict]) -> None:
+def _discard_unless_committed(root, entries: list[Entry]) -> None:
     """After an exception around publishing: remove the entries' new files unless the record that
     lists them was created (an interrupt while writing the companions comes after it)."""
     keep = committed_files(root, entries)
     discard(root, [{**e, "files": {t: f for t, f in e["files"].items() if f not in keep}} for e in entries])
 
 
-def commit(root, entries: list[dict], max_tries: int = 1000, replace: bool = False, fold: bool = True) -> list[str]:
+def commit(root, entries: list[Entry], max_tries: int = 1000, replace: bool = False, fold: bool = True) -> list[str]:
     """Publish params and data entries in one commit record, with (`fold`) the merged entries of every
     group of their checkpoints, each holding all its partials — the pending ones of earlier commits
     folded in the same pass; returns the files no entry lists any more (deleted).  With fold=False
@@ -182,7 +183,7 @@ def commit(root, entries: list[dict], max_tries: int = 1000, replace: bool = Fal
     data = [e for e in entries if e["kind"] == "data"]
     pairs = sorted({(e["model"], e["checkpoint"]) for e in data})
     seq, manifest = store.read_state(root)
-    merged: list[dict] = []
+    merged: list[Entry] = []
     bases: dict = {}
     check_disjoint(entries)
     for _ in range(max_tries):
@@ -251,7 +252,7 @@ def fold_pending(root, model: str | None = None, checkpoint: str | None = None, 
     root = open_storage(root)
     match = lambda e: (model is None or e["model"] == model) and (checkpoint is None or e["checkpoint"] == checkpoint)  # noqa: E731
     want: set[str] | None = None
-    merged: list[dict] = []
+    merged: list[Entry] = []
     bases: dict = {}
     for _ in range(max_tries):
         seq, manifest = store.read_state(root)
@@ -292,7 +293,7 @@ def fold_pending(root, model: str | None = None, checkpoint: str | None = None, 
     raise UserError(f"{root}: gave up folding after {max_tries} tries (other writers kept committing first)")
 
 
-def _publish_retrying(root, make) -> object:
+def publish_retrying(root, make) -> object:
     """Run make(manifest) → (entries, remove, result) and publish it; on a lost race, discard its new
     entries' files and run it again on the newer state."""
     while True:
@@ -333,4 +334,4 @@ def rebuild(root, keys: list[str] | None = None) -> int:
             raise
         return new, extra, len(new)
 
-    return _publish_retrying(root, make)
+    return publish_retrying(root, make)

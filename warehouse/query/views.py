@@ -1,0 +1,179 @@
+"""The views' SQL: base views (one per table of schema.py, and `runs`) that read exactly the Parquet
+files the manifest lists, so files of unfinished or replaced runs are never seen, and metric views
+from `queries/*.sql`.  The metric views read only the merged tables (warehouse.merge), never the
+per-partial ones, so their cost does not grow with the number of partials.  Each metric is one
+`.sql` file in `queries/` whose header says
+
+    -- <name>: <one line>
+    -- Formula: ...
+    -- Inputs: view, view, ...
+    -- Columns: col, col, ...
+
+and whose body is one SELECT; it becomes `CREATE VIEW <name> AS <body>`.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pyarrow.dataset as ds
+
+from .. import schema, store
+from ..storage import open_storage
+from ..store import Entry, Manifest
+
+
+def _queries_dir() -> Path:
+    """queries/*.sql: in an installed wheel the package data warehouse/queries/ (pyproject.toml maps the
+    repository's queries/ there); in a checkout, editable install or not, the repository's queries/."""
+    packaged = importlib.resources.files("warehouse") / "queries"
+    if packaged.is_dir():  # a wheel unpacks into site-packages: a real directory
+        return Path(str(packaged))
+    return Path(__file__).resolve().parents[2] / "queries"
+
+
+QUERIES_DIR = _queries_dir()
+BASE_VIEWS = (*schema.TABLES, "runs")
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric view of queries/: its name, file, input views, columns and SELECT body."""
+    name: str
+    path: Path
+    inputs: tuple[str, ...]
+    columns: tuple[str, ...]
+    body: str
+
+
+def _header(text: str, field: str, path: Path) -> str:
+    m = re.search(rf"^--\s*{field}:\s*(.*)$", text, re.MULTILINE)
+    if not m:
+        raise ValueError(f"{path}: header lacks '-- {field}:'")
+    return m.group(1).strip()
+
+
+def views_reference(directory: Path = QUERIES_DIR) -> str:
+    """docs/views.md: every view's description, formula, inputs and columns, from the headers of
+    `queries/*.sql` (regenerate with `python scripts/views_doc.py`; a test keeps it current)."""
+    out = ["# Views", "",
+           "Generated from the headers of `queries/*.sql` by `python scripts/views_doc.py`; do not edit by hand.",
+           "Every view is keyed by model, checkpoint and step; most by source (`'all'`: the merge) and layer.",
+           "Base tables (the Parquet files, one view each): " + ", ".join(f"`{t}`" for t in BASE_VIEWS) + ".", ""]
+    for m in sorted(load_metrics(directory), key=lambda m: m.name):
+        text = m.path.read_text()
+        about = re.search(rf"^--\s*{re.escape(m.name)}:\s*(.*)$", text, re.MULTILINE)
+        out += [f"## `{m.name}`", "", about.group(1).strip() if about else "", "",
+                f"- **Formula**: {_header(text, 'Formula', m.path)}",
+                f"- **Inputs**: {', '.join(f'`{i}`' for i in m.inputs)}",
+                f"- **Columns**: {', '.join(f'`{c}`' for c in m.columns)}", ""]
+    return "\n".join(out)
+
+
+def load_metrics(directory: Path = QUERIES_DIR) -> list[Metric]:
+    """The metric views, in an order where every view comes after its inputs."""
+    metrics = {}
+    for path in sorted(directory.glob("*.sql")):
+        text = path.read_text()
+        split = lambda s: tuple(x.strip() for x in s.split(",") if x.strip())  # noqa: E731
+        body = "\n".join(line for line in text.splitlines() if not line.startswith("--")).strip()
+        metrics[path.stem] = Metric(
+            path.stem, path, split(_header(text, "Inputs", path)),
+            split(_header(text, "Columns", path)), body.rstrip(";"),
+        )
+    ordered, done = [], set(BASE_VIEWS)
+    while len(ordered) < len(metrics):
+        ready = [m for m in metrics.values() if m.name not in done and set(m.inputs) <= done]
+        if not ready:
+            missing = {m.name: set(m.inputs) - done for m in metrics.values() if m.name not in done}
+            raise ValueError(f"queries/ has unknown or cyclic inputs: {missing}")
+        for m in ready:
+            ordered.append(m)
+            done.add(m.name)
+    return ordered
+
+
+def sql_literal(s: str) -> str:
+    """`s` as an SQL string literal."""
+    return "'" + s.replace("'", "''") + "'"
+
+
+_WIDTHS = {"float16": 0, "float32": 1, "float64": 2}
+
+
+def _stored_dtype(entry: Entry) -> str:
+    """The dtype of an entry's token vectors: --vector-dtype, float32 where float16 would overflow
+    (the entry's stats say what was stored)."""
+    return entry.get("stats", {}).get("vector_dtype") or entry.get("settings", {}).get("vector_dtype") or "float32"
+
+
+def bound_files(table: str, entries: list[Entry]) -> list[str]:
+    """The table's files, sorted, except that for token_sums a file of the widest vector dtype comes
+    first: DuckDB binds a list of Parquet files by the first file's schema alone (reading one footer,
+    whatever the number of partials) and casts the others to it, so the first must be the widest
+    (float16 and float32 → float64 are exact).  `union_by_name` would read every footer when the
+    views are created (a cost that grows with the number of partials and the model's size)."""
+    files = sorted(e["files"][table] for e in entries)
+    if table == "token_sums" and files:
+        widest = max(entries, key=lambda e: (_WIDTHS.get(_stored_dtype(e), 1), e["files"][table]))["files"][table]
+        files.remove(widest)
+        files.insert(0, widest)
+    return files
+
+
+def _vector_schema(table: str, arrow_schema, entries: list[Entry]):
+    """token_sums' vec is float16/32/64 by --vector-dtype: the widest the files hold."""
+    if table != "token_sums":
+        return arrow_schema
+    widest = max((_stored_dtype(e) for e in entries), key=_WIDTHS.get)
+    i = arrow_schema.get_field_index("vec")
+    return arrow_schema.set(i, arrow_schema.field(i).with_type(schema.vector_type(widest)))
+
+
+def base_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | None = None) -> list[str]:
+    """CREATE VIEW statements of the base tables over the files the manifest lists.  Local files and
+    views.sql: read_parquet of the paths / s3:// URLs.  With `con` and a warehouse on S3: each table
+    is a pyarrow dataset over the S3 filesystem, registered in `con` (no DuckDB extension needed)."""
+    st = open_storage(root)
+    via_arrow = con is not None and not st.local
+    statements = []
+    for table, arrow_schema in schema.TABLES.items():
+        entries = [e for e in manifest["entries"].values() if table in e["files"]]
+        files = bound_files(table, entries)
+        cols = ", ".join(f'"{f.name}"' for f in arrow_schema)
+        if files and via_arrow:  # paths and schema given: no file is opened or listed until a query reads it
+            con.register(f"_files_{table}", ds.FileSystemDataset.from_paths(
+                [st.path(f) for f in files], schema=_vector_schema(table, arrow_schema, entries),
+                format=ds.ParquetFileFormat(), filesystem=st.fs))
+            src = f"SELECT {cols} FROM _files_{table}"
+        elif files:
+            file_list = "[" + ", ".join(sql_literal(st.uri(f)) for f in files) + "]"
+            src = f"SELECT {cols} FROM read_parquet({file_list}, hive_partitioning = false)"
+        else:
+            src = "SELECT " + ", ".join(
+                f'CAST(NULL AS {schema.duckdb_type(f.type)}) AS "{f.name}"' for f in arrow_schema
+            ) + " WHERE false"
+        statements.append(f"CREATE OR REPLACE VIEW {table} AS {src};")
+    if con is not None:  # a Python connection: the runs of this very manifest, in memory
+        con.register("_runs", store.runs_table(manifest))
+        statements.append("CREATE OR REPLACE VIEW runs AS SELECT * FROM _runs;")
+    elif manifest["entries"]:
+        statements.append(
+            f"CREATE OR REPLACE VIEW runs AS SELECT * FROM read_parquet({sql_literal(st.uri(store.RUNS_FILE))});")
+    else:
+        statements.append(
+            "CREATE OR REPLACE VIEW runs AS SELECT " + ", ".join(
+                f"CAST(NULL AS {schema.duckdb_type(f.type)}) AS {f.name}" for f in schema.RUNS
+            ) + " WHERE false;"
+        )
+    return statements
+
+
+def all_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | None = None) -> list[str]:
+    return base_view_sql(root, manifest, con) + [
+        f"CREATE OR REPLACE VIEW {m.name} AS\n{m.body};" for m in load_metrics()
+    ]

@@ -1,0 +1,120 @@
+"""The Storage interface: a warehouse root and the operations the commit protocol needs.
+
+Every file the warehouse reads or writes goes through a `Storage`, by a path relative to the
+warehouse root ("tables/token_sums/…/run.parquet", "_log/000…1.json").  Reading is the same for
+both kinds (pyarrow.fs); local.py and s3.py make writing atomic each in their own way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+
+class Storage:
+    """A warehouse root.  `rel` arguments are '/'-separated paths below it."""
+
+    url: str  # as the user gave it, for messages
+    fs: pafs.FileSystem
+    local: bool
+
+    def __str__(self) -> str:
+        return self.url
+
+    def path(self, rel: str) -> str:
+        """The path of `rel` in self.fs (for pyarrow's filesystem= arguments)."""
+        raise NotImplementedError
+
+    def uri(self, rel: str) -> str:
+        """`rel` as DuckDB's read_parquet names it: an absolute local path or an s3:// URL."""
+        raise NotImplementedError
+
+    def display(self, rel: str) -> str:
+        return self.uri(rel)
+
+    # ---- reading (pyarrow.fs for both kinds: the local root is a LocalFileSystem path)
+    @contextlib.contextmanager
+    def input_stream(self, rel: str):
+        """A sequential reader of `rel` (failures as one-line errors on S3)."""
+        with self._errors(rel), self.fs.open_input_stream(self.path(rel)) as f:
+            yield f
+
+    def read_bytes(self, rel: str, limit: int = -1) -> bytes:
+        """The bytes of `rel` (only the first `limit` if limit >= 0)."""
+        with self.input_stream(rel) as f:
+            return f.read() if limit < 0 else f.read(limit)
+
+    def exists(self, rel: str) -> bool:
+        with self._errors(rel):
+            return self.fs.get_file_info(self.path(rel)).type == pafs.FileType.File
+
+    def size(self, rel: str) -> int:
+        with self._errors(rel):
+            return self.fs.get_file_info(self.path(rel)).size
+
+    def list_files(self, prefix: str) -> list[str]:
+        """Every file below directory `prefix`, as rel paths (empty if there is none)."""
+        return [rel for rel, _, _ in self.list_infos(prefix)]
+
+    def list_infos(self, prefix: str) -> list[tuple[str, int, float]]:
+        """(rel path, size, modification time in seconds since the epoch) of every file below `prefix`."""
+        with self._errors(prefix):
+            base = self.path(prefix)
+            if self.fs.get_file_info(base).type == pafs.FileType.NotFound:
+                return []
+            infos = self.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        strip = len(self.path("")) + (0 if self.path("").endswith("/") else 1)
+        return sorted((i.path[strip:], i.size, i.mtime.timestamp() if i.mtime is not None else time.time())
+                      for i in infos if i.type == pafs.FileType.File)
+
+    def parquet_file(self, rel: str, **kwargs) -> pq.ParquetFile:
+        with self._errors(rel):
+            return pq.ParquetFile(self.fs.open_input_file(self.path(rel)), **kwargs)
+
+    def read_table(self, rel: str, columns=None, filters=None) -> pa.Table:
+        with self._errors(rel):
+            return pq.read_table(self.path(rel), columns=columns, filters=filters, filesystem=self.fs)
+
+    def read_schema(self, rel: str) -> pa.Schema:
+        with self._errors(rel):
+            return pq.read_schema(self.path(rel), filesystem=self.fs)
+
+    # ---- writing
+    def replace(self, rel: str, data: bytes) -> None:
+        """Write `data` to `rel` atomically: readers see the old or the new bytes, never a part."""
+        raise NotImplementedError
+
+    def create_if_absent(self, rel: str, data: bytes) -> bool:
+        """Write `data` to `rel` unless it exists (atomically); False if it existed."""
+        raise NotImplementedError
+
+    def delete(self, rel: str) -> None:
+        """Remove `rel`; nothing if it is already gone."""
+        raise NotImplementedError
+
+    def output(self, rel: str) -> "Output":
+        """A stream for one new file that appears at `rel` only when `commit()` returns."""
+        raise NotImplementedError
+
+    def move(self, rel: str, dest: str) -> None:
+        """Move `rel` to `dest` (which must not exist): a rename on a local disk; on S3 a copy, then
+        the delete of the original (a kill between the two leaves both, never neither)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _errors(self, rel: str):
+        yield
+
+
+class Output:
+    stream: pa.NativeFile
+
+    def commit(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
