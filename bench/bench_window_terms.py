@@ -7,7 +7,7 @@ alike.  No model: random hidden states, the token sums' CPU path (`TokenSums._ad
 Prints min and median ms per batch and layer, and the median of minor page faults per batch
 (fresh pages for large temporaries: what differs between interleaved and separate runs).
 
-    git archive be39a7c extract | tar -x -C /tmp/old
+    git archive COMMIT extract | tar -x -C /tmp/old        # the older code to compare with
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_window_terms.py --old /tmp/old --batch 8 --seq 512
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/bench_window_terms.py --old /tmp/old --batch 250 --seq 16
 """
