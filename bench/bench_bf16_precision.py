@@ -3,7 +3,7 @@ against centred hi+lo rows (`Moments._add_bf16`), on the real all-MiniLM-L6-v2 i
 synthetic rows with a given ‖μ‖²/tr C.  Runs on the CPU (the same exact products as a GPU's tensor
 cores, float32 accumulation in another order).
 
-    python bench/bench_bf16_precision.py              # ~1 minute on 2 cores
+    python bench/bench_bf16_precision.py
     python bench/bench_bf16_precision.py --d 384 --rows 20000
 
 Errors printed: covariance C = Σhhᵀ/n − μμᵀ, max |ΔC| / max |C|; eigenvalues, max |Δλ| / λ_max; cross

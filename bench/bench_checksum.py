@@ -1,4 +1,4 @@
-"""What checksums cost (issue 34): blake2b in memory, a file written through TableWriter (hashed
+"""What checksums cost: blake2b in memory, a file written through TableWriter (hashed
 while its bytes go out) against the same table written by pyarrow alone, and `storage.verify`
 (the extra read pass a fold or `validate` makes over a file).  One core, page cache warm.
 

@@ -15,7 +15,7 @@ Printed per shape (medians): wall seconds, default ÷ --no-moments, --no-moments
 default ÷ bare, tokens/s of the whole process, peak RSS; the same ratios of the forward loops alone
 (the per-token cost, without the per-checkpoint fixed costs); then sentence ÷ long in tokens/s.
 
-    python bench/bench_matrix.py                       # ~100k tokens per shape, 2 runs (~25 min here)
+    python bench/bench_matrix.py                       # ~100k tokens per shape, 2 runs of each variant
     python bench/bench_matrix.py --tokens 20000 --runs 1 --shapes short sentence
     python bench/bench_matrix.py --extra=--batch-size --extra=32     # any extract flags, all shapes
 """

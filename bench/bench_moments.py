@@ -1,14 +1,14 @@
 """Benchmark: what the default pass's moments cost, whole process, and how exact they are.
 
 Runs `python cli.py extract` end to end (start-up, model load, tokenising, forward passes, writing,
-merging at commit) on the issue's CPU benchmark — a random GPT-NeoX saved with save_pretrained
+merging at commit) on the CPU benchmark shape — a random GPT-NeoX saved with save_pretrained
 (hidden 512, 6 layers, vocabulary 50,304) over a JSONL source of ~100k Zipf-distributed tokens —
 with `--no-moments` and with the default (moments on, float32 products), alternating, and prints
 the wall times and their ratio.  Then one more run with `--moments-precision float64` (exact
 products) gives the reference the float32 moments are compared with: the covariance matrices, their
 eigenvalues, and every view built on the moments.
 
-    python bench/bench_moments.py                 # the issue's benchmark (~5 minutes here)
+    python bench/bench_moments.py                 # ~100k tokens, 2 runs of each variant
     python bench/bench_moments.py --tokens 20000 --runs 1
 """
 

@@ -4,7 +4,7 @@ multiply-adds), its eigendecompositions, the float64 projections onto both eigen
 their log-sum-exps, and the authors' float32 convention (2·V·d² in float32).
 
     python bench/bench_params.py                           # 50,304 × 512 (a Pythia-70m-sized matrix)
-    python bench/bench_params.py --vocab 128256 --d 4096   # a Llama-3-8B-sized matrix (minutes on 2 cores)
+    python bench/bench_params.py --vocab 128256 --d 4096   # a Llama-3-8B-sized matrix
     python bench/bench_params.py --device cuda --dtype bfloat16 --vocab 128256 --d 4096
 
 Prints seconds and the float64 multiply-add rate (the part that dominates on a CPU).

@@ -14,7 +14,7 @@ views.sql`).  Finally `cli.py compact` and the bytes per (layer, token type) bef
     python bench/bench_query.py --models 3 --checkpoints 21 --sources 1 --shards 1 --compact-each --report --no-compact
 
 Times are compared with `python -c "import duckdb, pyarrow.dataset, typer"`, the least any query
-process must import (issue 18's bound: `SELECT 1` within 0.5 s of it, every view within 1 s).
+process must import (the bound the query side keeps: `SELECT 1` within 0.5 s of it, every view within 1 s).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def build(root: Path, sources: int, shards: int, layers: int, vocab: int, d: int
     """The warehouse; returns the seconds of each commit (write + merge).  With several models or
     checkpoints: models bench0 … and checkpoints step0, step1000, … (a training sweep); with
     `compact_each`, each checkpoint is compacted once its partials are in (`cli.py compact`: the
-    views read the same merged tables; ~55 MB instead of ~3 GB per checkpoint at d 128)."""
+    views read the same merged tables, and the disk holds one checkpoint's partials at a time)."""
     rng = np.random.default_rng(0)
     seconds = []
     for m in range(models):

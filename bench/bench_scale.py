@@ -4,7 +4,7 @@ Every partial goes through the writer `extract` uses (`extract.run.write_sums`, 
 float64 sums in place of a model's: random, self-consistent, deterministic), then `merge.commit`
 (--fold commit: the fold into the source group and `all` at every commit; --fold checkpoint, the
 default: the partial appended, and one `merge.fold_pending` per checkpoint once its partials are in),
-then, per checkpoint, `merge.compact` (unless --no-compact), as `cli.py sweep` now does.  Per partial it prints the bytes written and read (this
+then, per checkpoint, `merge.compact` (unless --no-compact), as `cli.py sweep` does.  Per partial it prints the bytes written and read (this
 process's /proc/self/io: write_bytes/read_bytes — what reached the block layer — and wchar/rchar — what
 went through read()/write(), page cache included), the seconds and the peak RSS, for the write and for
 the commit separately; then the disk peak (sampled after each write, commit and compaction) and the

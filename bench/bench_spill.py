@@ -1,4 +1,4 @@
-"""The token sums under a memory budget at Llama-3 / Gemma vocabularies (issue 36): spill bytes
+"""The token sums under a memory budget at Llama-3 / Gemma vocabularies: spill bytes
 written and read and tokens/s against no budget.
 
 What runs: `TokenSums` (extract/accumulate/sums.py) on the CPU fed directly, no forward pass — a

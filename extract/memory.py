@@ -48,7 +48,7 @@ def release_memory() -> None:
 
 def limit_malloc_arenas(n: int = 2) -> None:
     """Cap glibc's heap arenas (M_ARENA_MAX): PyTorch's intra-op threads otherwise fragment the
-    per-batch temporaries over up to 8 × cores arenas, ~100 MB of RSS for nothing here."""
+    per-batch temporaries over up to 8 × cores arenas, each holding freed memory as RSS."""
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(-8, n)  # M_ARENA_MAX

@@ -1,10 +1,10 @@
-"""Adversarial tests of appended partials and one fold per group (issue 35 item 3): random sequences of
+"""Adversarial tests of appended partials and one fold per group: random sequences of
 appends, folds, re-runs, covering shards and --replace across two sources against a clean one-shot
 fold; races decided in-process (a writer's publish interleaved with another's commit); kill -9 in
 `cli.py merge` and `extract --no-fold`; validate --fix beside pending partials; the verified-files
 cache against changed bytes and a torn line; real extracts of a tiny model with every merged table.
 
-Tests marked `# Was a bug (fixed, session 17):` failed on the code they were written against; each says
+Tests marked `# Was a bug (fixed):` failed on the code they were written against; each says
 what went wrong."""
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def _race(monkeypatch, other):
 
 
 def test_a_folding_commit_that_lost_to_compact_leaves_no_files_behind(tmp_path, monkeypatch):
-    # Was a bug (fixed, session 17): commit() folds the new shard into the checkpoint's groups, loses the record to a `compact` of
+    # Was a bug (fixed): commit() folds the new shard into the checkpoint's groups, loses the record to a `compact` of
     # that checkpoint, and on the retry check_open() raises "was compacted" from inside the retry loop
     # (warehouse/commits.py, the `check_open(manifest, model, checkpoint)` at the top of commit's loop)
     # without discard(root, merged): the merged files it folded stay under tables/, listed by no entry,
@@ -292,7 +292,7 @@ def test_a_merge_whose_only_pending_partial_was_rerun_meanwhile_folds_the_rerun(
 
 @pytest.mark.parametrize("fold", [True, False])
 def test_committing_the_same_partial_again_keeps_it_counted_once(tmp_path, fold):
-    # Was a bug (fixed, session 17): merge.commit(root, [e]) with an entry that is already committed and held (the same run_id and
+    # Was a bug (fixed): merge.commit(root, [e]) with an entry that is already committed and held (the same run_id and
     # key: a caller retrying a commit whose record landed before an exception) is taken as a re-run of
     # itself: commits.fold_groups computes `removes` = [e] (held, "replaced") but `adds` = [] (its
     # partial_id is already in the old entry's inputs), so fold_group un-folds e and never adds it back
@@ -311,7 +311,7 @@ def test_committing_the_same_partial_again_keeps_it_counted_once(tmp_path, fold)
 
 @pytest.mark.parametrize("other", ["folding commit", "merge", "compact"])
 def test_a_fold_whose_old_state_another_writer_replaced_meanwhile_retries(tmp_path, monkeypatch, other):
-    # Was a bug (fixed, session 17): fold_pending (warehouse/commits.py, `merged = fold_groups(root, manifest, [], [], pairs)` in its
+    # Was a bug (fixed): fold_pending (warehouse/commits.py, `merged = fold_groups(root, manifest, [], [], pairs)` in its
     # loop) does not catch a file that vanished under it: while it streams a group's old merged state,
     # another writer's fold (a folding commit, another `cli.py merge`, `compact`, which folds first and
     # then drops token_vectors/token_sums) publishes and deletes those files (store.publish's gc), and the
@@ -413,7 +413,7 @@ def test_compact_that_lost_to_an_appending_commit_folds_it_then_compacts(tmp_pat
 
 
 def test_merge_and_compact_of_one_checkpoint_ignore_a_stale_group_of_another(tmp_path):
-    # Was a bug (fixed, session 17): fold_pending (warehouse/commits.py, `stale, _ = stale_groups(manifest)` at the top of its loop)
+    # Was a bug (fixed): fold_pending (warehouse/commits.py, `stale, _ = stale_groups(manifest)` at the top of its loop)
     # refuses when ANY group of the warehouse is stale, even with model/checkpoint given, so
     # `cli.py merge --checkpoint c` and `cli.py compact --checkpoint c` fail because of checkpoint c2.
     # compact used to check staleness only of the checkpoints it compacts (compaction.py make() still
@@ -647,7 +647,7 @@ def test_a_partial_changed_after_it_was_cached_is_caught_by_the_fold(tmp_path, m
 
 
 def test_a_torn_last_line_in_the_cache_costs_only_that_line(tmp_path, monkeypatch):
-    # Was a bug (fixed, session 17): store.append_verified (warehouse/store.py) appends after a torn last line (a writer killed
+    # Was a bug (fixed): store.append_verified (warehouse/store.py) appends after a torn last line (a writer killed
     # mid-line) without starting a new line, so the next commit's first line is glued to the torn one
     # and unreadable too: that commit's first file is hashed again by every later fold/connect until
     # connect rewrites the cache.  Safe (never trusts a wrong file), but the torn line costs the next
@@ -704,8 +704,7 @@ def test_no_fold_rerun_while_pending_and_while_held_equals_folding_extracts(tmp_
     """The user's path: shards 1/2 and 2/2 appended (`extract --no-fold`) with moments, cross moments,
     samples, sequences (massive rows too); `sql` says they are pending in one `note:` line; shard 1/2
     re-run while pending; `cli.py merge`; shard 2/2 re-run appended while held (un-folded in that
-    record); every view and every merged table equals two folding extracts (the runs are deterministic).
-    (It took over tests/test_fold.py's test of the same path, session 17.)"""
+    record); every view and every merged table equals two folding extracts (the runs are deterministic)."""
     model = model_factory("gpt_neox", tied=False)
 
     def extract(wh, shard, *extra):

@@ -1,4 +1,4 @@
-"""Identity is content, not names; queries are read-only; the one-line outcomes of issue 34's list.
+"""Identity is content, not names; queries are read-only; conflicts refused in one line.
 
 A partial covers the documents of its shard (index ≡ I − 1 mod N): re-sharding a source replaces
 what the new shard covers and is refused (one line, nothing written) where it only overlaps; two

@@ -501,7 +501,7 @@ def test_cka_and_orthogonal_procrustes_equal_svd(peers):
 def test_bfloat16_moments_against_float64_end_to_end(workdir, sources, model_factory):
     """`--dtype bfloat16 --moments-precision bfloat16` (the GPU default, here on the CPU: the same
     products upcast) against exact float64 products of the same bf16 hidden states, through the
-    CLI: covariances, eigenvalues and the moment views to the bounds docs/performance.md states;
+    CLI: covariances, eigenvalues and the moment views to the bounds docs/views-guide.md states;
     the precision is recorded; float32 hidden states are refused before anything runs."""
     model = model_factory("gpt_neox", tied=False)
     cons = {}
@@ -551,7 +551,7 @@ def test_bfloat16_moments_against_float64_end_to_end(workdir, sources, model_fac
 
 def test_default_float32_moments_against_float64(peers, workdir, sources, model_factory):
     """The default pass (moments on, float32 products of centred vectors, float64 sums) against the
-    exact float64 products over the same tokens: the bounds the README states."""
+    exact float64 products over the same tokens: the bounds docs/views-guide.md states."""
     wh = workdir / "peers-wh-f32"
     code, _, err = run_cli("extract", "--model", model_factory("gpt_neox", tied=False), "--source",
                            f"alpha={sources['alpha']}", "--source", f"beta={sources['beta']}", "--warehouse", wh,

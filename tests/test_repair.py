@@ -1,4 +1,4 @@
-"""Repair that cannot destroy, and a warehouse that knows when a byte changed (issue 34).
+"""Repair that cannot destroy, and a warehouse that knows when a byte changed.
 
 Checksums recorded per file and verified before a fold; `validate` verifies every file and
 re-derives every merged table; `--fix` rebuilds lost or damaged merged tables, quarantines (never
@@ -257,7 +257,7 @@ def test_a_space_changed_in_a_record_is_found_by_validate(clean, workdir):
 
 
 def test_fix_beside_a_writer_in_flight_leaves_its_files_and_the_commit_lands(clean, sources, workdir):
-    """The race of issue 34: a writer that has written its merged files but not its record, and
+    """The race of repair and commit: a writer that has written its merged files but not its record, and
     `validate --fix --grace 0` beside it.  Its lease keeps its files; it commits; views equal a clean run."""
     wh = copy(clean["before"], workdir / "rep-race")
     flag = workdir / "rep-race.pause"
