@@ -196,11 +196,10 @@ def test_slurm_array_environment_picks_the_shard(single, workdir):
     same_numbers(views(wh), single["views"])
 
 
-@pytest.mark.parametrize("batching", [[], ["--batch-tokens", "40"], ["--batch-tokens", "200", "--batch-size", "3"],
-                                      ["--batch-tokens", "40", "--scatter", "segment"]])
+@pytest.mark.parametrize("batching", [[], ["--batch-tokens", "40"], ["--batch-tokens", "200", "--batch-size", "3"]])
 def test_batching_by_tokens_gives_the_same_numbers(single, workdir, batching):
     """Token-budget batches (the default: 8 windows' worth, ≥ 4,096 tokens; a small budget; a budget
-    with a window cap; the sort-and-segment token sums) against the fixed 2-window batches of
+    with a window cap) against the fixed 2-window batches of
     `single`: the same views, to the float32 forward's noise (padding and batch shape change its
     rounding)."""
     args = [a for a in single["args"] if a not in ("--batch-size", "2")]
