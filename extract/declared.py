@@ -1,7 +1,7 @@
 """Every option of `extract`, declared once: name, kind, default, group, help and flag spellings.
 
 The command line builds the `extract` command's parameters and its grouped --help from `OPTIONS`
-(isotropy_warehouse/options.py); the Python API's keywords and defaults (`extract.api`), a sweep
+(isotropy_warehouse/extract_options.py); the Python API's keywords and defaults (`extract.api`), a sweep
 file's [settings] and per-source keys (`extract/sweep.py`), the source options (`SOURCE_OPTIONS`),
 the run's `Settings` defaults and the settings a run records and --skip-done compares
 (`RESULT_SETTINGS`) all read it.  This module imports nothing heavy: `cli.py --help` loads it.
@@ -185,7 +185,7 @@ OPTIONS: tuple[Option, ...] = (
                  "~1e-7 relative) | bfloat16 (the bf16 hidden states' exact products on tensor cores, float32 "
                  "accumulation; needs --dtype bfloat16) | float64 (exact products, slowest). Default: bfloat16 on "
                  "cuda with --dtype bfloat16, else float32. The default is as exact as every measure needs; change "
-                 "it to check rounding. Errors measured: docs/performance.md."),
+                 "it to check rounding. Its errors: docs/views-guide.md, 'Moments by default, and their precision'."),
     _option("memory_budget", "str", None, "advanced",
             help="Bytes the float64 token sums may hold (e.g. 512MB, 20GiB); beyond it they are spilled exactly to "
                  "--spill-dir and merged at the end. Default: half the memory free on the accumulator's device, "

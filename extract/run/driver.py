@@ -84,7 +84,8 @@ def extract(ref: ModelRef, checkpoints: list[str], sources: list[Source], root,
         for checkpoint in checkpoints:
             current[:] = [checkpoint]
             # One read per checkpoint, after the previous checkpoint's commit: every check before the
-            # forward passes reads it (the commit checks again on the manifest as it is then).
+            # forward passes reads it; the commit checks conflicts, compatibility and compaction again
+            # on the manifest as it is then, so nothing a later writer did slips through.
             results += _checkpoint(run, checkpoint, store.read_manifest(root))
         return results
     except KeyboardInterrupt:  # outside a checkpoint's own handler: loading, checks, logging
@@ -119,8 +120,10 @@ def _checkpoint(run: _Run, checkpoint: str, manifest: dict) -> list[SourceResult
         spent = {"load": time.perf_counter() - t0}  # seconds of each phase, logged per checkpoint
         if settings.max_length is not None and settings.max_length > loaded.context:
             raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
+        # Once loaded, on the same read: hidden size, and other weights under this name.  A writer that
+        # committed during the load is no re-read's concern: `merge.commit` checks both again.
         store.check_compatible(manifest, ref.name, loaded.d)
-        check_coverage(manifest, ref, checkpoint, data_todo, settings, run.prints, identity)  # other weights, this name
+        check_coverage(manifest, ref, checkpoint, data_todo, settings, run.prints, identity)
         work = _Work(store.new_run_id(), t0, spent)
         prov = checkpoint_provenance(run.provenance, loaded, checkpoint, identity, settings)
         _write_and_commit(run, loaded, checkpoint, manifest, data_todo, prov, work)
