@@ -1,5 +1,5 @@
 """The bare forward a user would write, as a whole process: load the model and tokenizer the way
-`extract` does, read the same source into the same windows and batches (`extract.run.windows`,
+`extract` does, read the same source into the same windows and batches (`extract.run.windows.windows`,
 `batches`, `batch_limits`), and run the base model over them — no hooks, no sums, no parameter
 tables, nothing written.  bench_matrix.py times it beside `cli.py extract`.
 
@@ -34,7 +34,8 @@ def main() -> None:
 
     from extract.architectures import get_module
     from extract.models import forward_kwargs, load, resolve_model, to_compute
-    from extract.run import Settings, SourceResult, batch_limits, batches, windows
+    from extract.run.settings import Settings, SourceResult
+    from extract.run.windows import batch_limits, batches, windows
     from extract.sources import ReadStats, SentenceSplitter, indexed_documents, parse_source
 
     settings = Settings(unit=a.unit, max_length=a.max_length, max_tokens=a.max_tokens, batch_size=a.batch_size,

@@ -258,7 +258,8 @@ def main() -> None:
             if args.moments:
                 moments_error(acc.moments, other.moments, len(kinds), args.moments_precision)
         if args.write and loaded is not None:
-            from extract.run import Settings, write_sums
+            from extract.run.settings import Settings
+            from extract.run.tables import write_sums
             from extract.sources import Source
 
             for vdt in ("float32", "float16"):

@@ -1,6 +1,6 @@
 """Benchmark: the write path at the sweep's widths and vocabularies, without a GPU, in one process.
 
-Every partial goes through the writer `extract` uses (`extract.run.write_sums`, fed synthetic
+Every partial goes through the writer `extract` uses (`extract.run.tables.write_sums`, fed synthetic
 float64 sums in place of a model's: random, self-consistent, deterministic), then `merge.commit`
 (--fold commit: the fold into the source group and `all` at every commit; --fold checkpoint, the
 default: the partial appended, and one `merge.fold_pending` per checkpoint once its partials are in),
@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from extract import run  # noqa: E402
+from extract.run import provenance, settings as run_settings, tables  # noqa: E402
 from warehouse import merge, store  # noqa: E402
 
 FIGURE_VIEWS = ("avg_intra_sim", "inter_sim", "inter_sim_by_source", "intra_sim WHERE layer = 1", "anisotropy",
@@ -159,20 +159,21 @@ class SyntheticSums:
 def write_partial(wh: Path, model: str, checkpoint: str, step, source: str, shard: tuple[int, int], L: int, V: int,
                   d: int, seed: int, types: float = 1.0, moments: bool = False, vector_dtype: str = "float32"
                   ) -> dict:
-    """One partial through `run.write_sums` and its entry through `run._entry`, as `extract` makes them."""
+    """One partial through `tables.write_sums` and its entry through `provenance.manifest_entry`, as `extract`
+    makes them."""
     loaded = SimpleNamespace(ref=SimpleNamespace(name=model), checkpoint=checkpoint, step=step, model=None, layout=None)
     src = SimpleNamespace(name=source, pile_set=None, split_by=None, split_value=None)
-    settings = run.Settings(shard=shard, vector_dtype=vector_dtype, moments=moments)
+    settings = run_settings.Settings(shard=shard, vector_dtype=vector_dtype, moments=moments)
     acc = SyntheticSums(L, V, d, seed, types, moments)
     run_id = store.new_run_id()
     kinds = ["embedding"] + ["block"] * (L - 1)
-    real, run.layer_kinds = run.layer_kinds, lambda model, layout: kinds  # the model's layers, without a model
+    real, tables.layer_kinds = tables.layer_kinds, lambda model, layout: kinds  # the model's layers, without a model
     try:
-        files, stored = run.write_sums(wh, loaded, src, settings, acc, run_id)
+        files, stored = tables.write_sums(wh, loaded, src, settings, acc, run_id)
     finally:
-        run.layer_kinds = real
-    result = run.SourceResult(source, tokens=100 * len(acc.ids), vector_dtype=stored, files=files)
-    return run._entry("data", loaded, run_id, files, settings, d, src, result, {})
+        tables.layer_kinds = real
+    result = run_settings.SourceResult(source, tokens=100 * len(acc.ids), vector_dtype=stored, files=files)
+    return provenance.manifest_entry("data", loaded, run_id, files, settings, d, src, result, {})
 
 
 def write_vocab(wh: Path, model: str, checkpoint: str, step, V: int, d: int) -> dict:

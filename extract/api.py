@@ -1,7 +1,7 @@
 """Extraction from Python: a model already in memory (a notebook, a training loop) into the warehouse.
 
 `extract_model(model, tokenizer, sources, warehouse, name=…)` is `cli.py extract` without the load:
-the same windows, batches, sums, parameter tables and one atomic commit (extract/run.py's `extract`
+the same windows, batches, sums, parameter tables and one atomic commit (extract/run's `extract`
 with a `loader` that hands it the model), and it returns the committed manifest entries.  The model
 runs where it is (its device and dtype, never cast or moved) in eval mode under inference mode, the
 global RNG states are restored afterwards, and every module's train/eval flag is put back: the model
@@ -34,23 +34,15 @@ from warehouse import store
 from warehouse.storage import open_storage
 
 from .architectures import discover, text_config
+from .declared import RUN_NAMES, defaults as declared_defaults
 from .launch import Launch
 from .models import DTYPES, Loaded, ModelRef, forward_kwargs, head_of, parse_step, special_template
 from .sources import NAME_RE, parse_shard
 
-# The extract command's options by their Python names, with the command's defaults (a test checks
-# them against cli.py's signature).  `device` and `dtype` may only repeat the model's own.
-SETTING_DEFAULTS = {
-    "unit": "document", "max_length": None, "max_tokens": None, "batch_size": None, "batch_tokens": None,
-    "device": None, "dtype": None, "shard": None, "vector_dtype": "float32", "params_only": False,
-    "accumulator_device": None, "moments": True, "cross_moments": False, "moments_precision": None,
-    "sequences": None, "prompt_entropy": False, "sample": 0, "skip_done": False,
-    "trust_remote_code": False, "special_tokens": False, "memory_budget": None, "spill_dir": None,
-    "module": None, "split_limit": 64, "compact": False, "replace": False, "fold": True,
-    # source options
-    "pile_set": None, "split_by": None, "split": "train", "steps": None, "rows_per_step": 1024,
-    "seq_length": 2049, "text_column": "text", "encoding_errors": "strict",
-}
+# The extract command's options by their Python names, with their declared defaults (the model, its
+# checkpoints, the sources, the warehouse and the name are arguments of their own here).  `device`
+# and `dtype` may only repeat the model's own.
+SETTING_DEFAULTS = {name: value for name, value in declared_defaults().items() if name not in RUN_NAMES}
 
 # Headline numbers of a probe: (key, view, column, filter) — the last layer's, and I(W) of both matrices.
 HEADLINES = ("inter_sim_last", "avg_intra_sim_last", "i_w_embedding", "i_w_unembedding")

@@ -32,8 +32,10 @@ from .accumulate.moments import Moments
 from .accumulate.sums import TokenSums
 from .hooks import capture_layers, layer_kinds
 from .models import DTYPES, check_dtype, load, resolve_model, to_compute
-from .run import (Settings, SourceResult, _forward, base_forward, batch_limits, batches, check_moments_precision,
-                  code_paths, memory_budget, new_accumulator, package_versions, windows)
+from .run.provenance import package_versions
+from .run.settings import Settings, SourceResult, check_moments_precision
+from .run.stream import base_forward, code_paths, forward_batch, memory_budget, new_accumulator
+from .run.windows import batch_limits, batches, windows
 from .sources import BUILTIN, ReadStats, indexed_documents, parse_source
 
 
@@ -164,7 +166,7 @@ def doctor(model: str, device: str | None = None, dtype: str | None = None, seco
             start = time.perf_counter()
             with torch.inference_mode(), capture_layers(loaded.model, loaded.layout, acc.add):
                 for batch in data:
-                    _forward(bare, acc, batch, 0, result)
+                    forward_batch(bare, acc, batch, 0, result)
             if acc.moments is not None:
                 acc.moments.finish()
             _sync(device)

@@ -1,8 +1,8 @@
 """The extract command's options, checked and turned into what a run needs.
 
-`prepare(options)` takes every option of `cli.py extract` by its Python name (as the command
-receives them) and returns the model, the revisions, the sources and the Settings, raising UserError
-with one line for anything wrong.  `cli.py extract` and `cli.py sweep` both go through it, so a unit
+`prepare(options)` takes every option of `cli.py extract` by its Python name (as extract/declared.py
+declares them and the command receives them) and returns the model, the revisions, the sources and
+the Settings, raising UserError with one line for anything wrong.  `cli.py extract` and `cli.py sweep` both go through it, so a unit
 of a sweep is exactly the extract run it names.
 """
 
@@ -15,17 +15,13 @@ from extract.launch import Launch, detect, device_for
 from extract.models import DTYPES, ModelRef, resolve_model, select_checkpoints
 from extract.sources import Source, parse_shard, parse_source
 
-# Options that read a source (a sweep may give them per source); the rest are the run's settings.
-SOURCE_OPTIONS = ("pile_set", "split_by", "split", "text_column", "steps", "rows_per_step", "seq_length",
-                  "encoding_errors")
-
 
 @dataclass
 class Job:
     ref: ModelRef
     revisions: list[str]
     sources: list[Source]
-    settings: object  # extract.run.Settings
+    settings: object  # extract.run.settings.Settings
     launch: Launch
 
 
@@ -68,7 +64,7 @@ def revisions(ref: ModelRef, checkpoint: list[str] | None, checkpoints: str | No
 def make_settings(o: dict, launch: Launch, cuda_available: bool):
     """The Settings of a run from the extract options `o` (source options aside)."""
     from extract.architectures import parse_module_overrides
-    from extract.run import Settings, check_moments_precision
+    from extract.run.settings import Settings, check_moments_precision
 
     if o["unit"] not in ("document", "sentence"):
         raise UserError(f"--unit {o['unit']!r}: expected document or sentence")
@@ -100,8 +96,7 @@ def make_settings(o: dict, launch: Launch, cuda_available: bool):
                     shard=launch.shard, read_shard=launch.reads, vector_dtype=o["vector_dtype"], trust_remote_code=o["trust_remote_code"],
                     params_only=o["params_only"], accumulator_device=o["accumulator_device"],
                     skip_done=o["skip_done"], moments=o["moments"], cross_moments=o["cross_moments"],
-                    moments_precision=precision,
-                    sequences=bool(o["sequences"] or o["prompt_entropy"]),
+                    moments_precision=precision, sequences=bool(o["sequences"] or o["prompt_entropy"]),
                     prompt_entropy=o["prompt_entropy"], sample=o["sample"], special_tokens=o["special_tokens"],
                     memory_budget=budget, spill_dir=str(o["spill_dir"]) if o["spill_dir"] else None,
                     modules=parse_module_overrides(o["module"]), split_limit=o["split_limit"],

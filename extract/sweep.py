@@ -37,8 +37,11 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from common.default_warehouse import DEFAULT_WAREHOUSE
 from common.errors import UserError
 from warehouse.storage import durable_temp
+
+from .declared import OPTIONS, SOURCE_OPTIONS, Option
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -53,15 +56,8 @@ RESERVED = {"model": "models", "checkpoint": "checkpoints", "checkpoints": "chec
 TOP_KEYS = ("warehouse", "models", "checkpoints", "shards", "sources", "settings", "slurm")
 SLURM_KEYS = ("sbatch", "parallel", "python", "setup", "job_name")
 
-
-@dataclass(frozen=True)
-class OptionSpec:
-    """One option of `cli.py extract`: kind flag | int | str | list; its flag spellings."""
-
-    kind: str
-    default: object
-    flag: str  # e.g. --unit, --moments
-    off_flag: str | None = None  # e.g. --no-moments
+# The keys [settings] and a source's table may give: every extract option, by its Python name.
+SPECS: dict[str, Option] = {o.name: o for o in OPTIONS}
 
 
 @dataclass
@@ -87,11 +83,10 @@ class Sweep:
     sources: list[SourceSpec]
     settings: dict  # [settings] as given, by Python name
     slurm: dict
-    specs: dict = field(repr=False, default_factory=dict)
 
     def options(self, source: SourceSpec | None = None) -> dict:
         """Every extract option by name: the defaults, then [settings], then the source's own."""
-        o = {name: spec.default for name, spec in self.specs.items()}
+        o = {name: spec.value_default for name, spec in SPECS.items()}
         o.update(self.settings)
         if source is not None:
             o.update(source.options)
@@ -115,9 +110,9 @@ def _where(path: Path, key: str) -> str:
     return f"{path.name}: {key}"
 
 
-def _value(path: Path, key: str, value, spec: OptionSpec):
+def _value(path: Path, key: str, value, spec: Option):
     """A [settings] or per-source value checked against the option's kind."""
-    kind = spec.kind
+    kind = "str" if spec.kind == "path" else spec.kind
     if kind == "flag" and isinstance(value, bool):
         return value
     if kind == "int" and isinstance(value, int) and not isinstance(value, bool):
@@ -151,9 +146,10 @@ def _checkpoints(path: Path, key: str, value):
     raise UserError(f"{_where(path, key)}: expected a list of revisions, a count or \"all\", got {value!r}")
 
 
-def read_config(path: str | Path, specs: dict[str, OptionSpec], source_options: tuple[str, ...],
-                builtin: tuple[str, ...] = ()) -> Sweep:
-    """The sweep file, checked: every mistake is one UserError naming the file and the key."""
+def read_config(path: str | Path, builtin: tuple[str, ...] = ()) -> Sweep:
+    """The sweep file, checked: every mistake is one UserError naming the file and the key.  Its keys
+    are the extract options as declared (extract/declared.py); `builtin`: the built-in sources."""
+    specs, source_options = SPECS, SOURCE_OPTIONS
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -171,7 +167,7 @@ def read_config(path: str | Path, specs: dict[str, OptionSpec], source_options: 
         if key not in TOP_KEYS:
             raise UserError(f"{_where(path, key)}: unknown key (expected {', '.join(TOP_KEYS)})")
 
-    warehouse = doc.get("warehouse", "warehouse")
+    warehouse = doc.get("warehouse", DEFAULT_WAREHOUSE)
     if not isinstance(warehouse, str) or not warehouse:
         raise UserError(f"{_where(path, 'warehouse')}: expected a directory or s3://bucket/prefix")
     shards = doc.get("shards", 1)
@@ -256,7 +252,7 @@ def read_config(path: str | Path, specs: dict[str, OptionSpec], source_options: 
             want = {"sbatch": "a list of strings", "setup": "a list of shell lines", "parallel": "a positive integer",
                     "python": "an interpreter path", "job_name": "letters, digits, '-' or '_'"}[key]
             raise UserError(f"{_where(path, 'slurm.' + key)}: expected {want}, got {value!r}")
-    return Sweep(path, warehouse, models, checkpoints, shards, sources, settings, slurm, specs)
+    return Sweep(path, warehouse, models, checkpoints, shards, sources, settings, slurm)
 
 
 def units(sweep: Sweep, revisions) -> list[Unit]:
@@ -294,12 +290,12 @@ def commands(sweep: Sweep, plan: list[Unit], cli: tuple[str, ...] = ("cli.py",),
         args += ["--shard", f"{u.shard[0]}/{u.shard[1]}", "--warehouse", warehouse or sweep.warehouse, "--skip-done"]
         given = {**sweep.settings, **(source.options if source is not None else {})}
         for name, value in given.items():
-            spec = sweep.specs[name]
+            spec = SPECS[name]
             if spec.kind == "flag":
                 if value:
                     args.append(spec.flag)
-                elif spec.off_flag:
-                    args.append(spec.off_flag)
+                elif spec.off:
+                    args.append(spec.off)
             elif spec.kind == "list":
                 for v in value:
                     args += [spec.flag, v]
@@ -381,7 +377,7 @@ class Planned:
     units: list[Unit]
     refs: dict  # model as named → ModelRef
     sources: dict  # source name → Source
-    settings: object  # extract.run.Settings (shard 1/1; each unit runs with its own)
+    settings: object  # extract.run.settings.Settings (shard 1/1; each unit runs with its own)
     warehouse: str
     id: str
     done: list[bool] = field(default_factory=list)
@@ -390,7 +386,7 @@ class Planned:
     def mark_done(self) -> None:
         """Mark every unit done or to run with the test --skip-done applies (one manifest read, each
         source fingerprinted once; extract reuses the fingerprints)."""
-        from extract.run import _done
+        from extract.run.preflight import already_done
         from extract.sources import fingerprint
         from warehouse import store
         from warehouse.storage import open_storage
@@ -405,7 +401,7 @@ class Planned:
             src = self.sources[u.source]
             if u.source not in self.prints:
                 self.prints[u.source] = fingerprint(src)
-            self.done.append(_done(manifest, ref, u.checkpoint, src, shard_settings(self.settings, u.shard),
+            self.done.append(already_done(manifest, ref, u.checkpoint, src, shard_settings(self.settings, u.shard),
                                    self.prints[u.source]))
 
     def todo(self) -> list[int]:

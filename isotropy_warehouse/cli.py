@@ -15,14 +15,14 @@ import typer.core
 
 from common.errors import UserError
 
+from .extract_options import GroupedHelp, declared_options, warehouse_option
+
 typer.core.HAS_RICH = False  # usage errors as plain text: "Error: Invalid value for ..." on one line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Extract-then-query warehouse for the isotropy of transformer language models.")
 
-WAREHOUSE = typer.Option("warehouse", "--warehouse", "-w",
-                         help="Warehouse directory, or s3://bucket/prefix (endpoint, keys, region from AWS_ENDPOINT_URL, "
-                              "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION).")
+WAREHOUSE = warehouse_option()  # every command's --warehouse: one spelling, one default
 
 
 def _launcher() -> tuple[str, ...]:
@@ -55,50 +55,9 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-@app.command()
-def extract(
-    model: str = typer.Option(..., "--model", "-m", help="Pythia alias (pythia-70m … pythia-12b[-deduped]), 'minilm', a local directory or a hub id."),
-    checkpoint: Optional[List[str]] = typer.Option(None, "--checkpoint", "-c", help="Revision(s), e.g. step143000 (repeatable). Default: the final weights ('main')."),
-    checkpoints: Optional[str] = typer.Option(None, "--checkpoints", help="COUNT evenly spaced Pythia steps (21 = the paper's); for a local directory COUNT evenly spaced of its stepN sub-directories, or 'all'."),
-    source: Optional[List[str]] = typer.Option(None, "--source", "-s", help="NAME=PATH (.txt, .jsonl, .jsonl.zst, .json.gz, .parquet), NAME=hf:ID_OR_DIR[:CONFIG][@REVISION] (a Hugging Face dataset: hub id, save_to_disk or data directory; --split, --text-column), NAME=pythia:PREFIX (Pythia's pre-tokenised training rows PREFIX.bin/.idx; --steps), or a built-in (stdlib-docs); repeatable."),
-    warehouse: str = WAREHOUSE,
-    unit: str = typer.Option("document", help="document | sentence (the paper's unit; pysbd splits)."),
-    max_length: Optional[int] = typer.Option(None, help="Tokens per window (default: the model's context)."),
-    max_tokens: Optional[int] = typer.Option(None, help="Stop each source after N tokens."),
-    batch_size: Optional[int] = typer.Option(None, help="Windows per forward pass: alone, exactly N (the old fixed-count batches); with --batch-tokens, at most N."),
-    batch_tokens: Optional[int] = typer.Option(None, help="Padded tokens per forward pass at most, windows sorted by length so padding stays small (default: 8 full windows and at least 4,096: 4,096 at --max-length 512, 16,384 at 2,048)."),
-    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when available)."),
-    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 | float16 (default: bfloat16 on cuda, float32 on cpu)."),
-    shard: Optional[str] = typer.Option(None, help="I/N: process a deterministic 1/N of each source's documents. Default: from torchrun (RANK+1 of WORLD_SIZE), a Slurm job array (task of count), else 1/1."),
-    pile_set: Optional[List[str]] = typer.Option(None, help="Keep only Pile documents with this meta.pile_set_name. Repeatable: several values make each its own source NAME.VALUE in one read (as --split-by meta.pile_set_name, keeping only those values)."),
-    split_by: Optional[str] = typer.Option(None, help="FIELD (a dotted path, e.g. meta.pile_set_name, or a Parquet / dataset column): each distinct value becomes its own source NAME.VALUE, all from one read of the file (docs/extract.md, 'One read, many sources')."),
-    split_limit: int = typer.Option(64, help="At most this many distinct --split-by values per source (each holds its own sums: moments are 2·L·d² float64 per value)."),
-    split: str = typer.Option("train", help="The split of hf: dataset sources."),
-    steps: Optional[str] = typer.Option(None, help="A:B: the training steps (inclusive) of pythia: sources."),
-    rows_per_step: int = typer.Option(1024, help="Rows per training step of pythia: sources (Pythia: 1,024)."),
-    seq_length: int = typer.Option(2049, help="Tokens per row of pythia: sources; the model saw the first seq-length − 1."),
-    text_column: str = typer.Option("text", help="The column of hf: dataset sources that holds the text."),
-    encoding_errors: str = typer.Option("strict", help="Lines that are not UTF-8: strict (fail, naming the line) | replace | skip (both counted)."),
-    vector_dtype: str = typer.Option("float32", help="Storage of per-token sum vectors: float32 | float64 (exact merges, 2x bytes) | float16 (half the bytes; a partial whose sums would overflow float16 is stored in float32, with a warning)."),
-    params_only: bool = typer.Option(False, "--params-only", help="Write only the parameter tables (no data)."),
-    accumulator_device: Optional[str] = typer.Option(None, help="Where the float64 sums live (default: --device); 'cpu' frees GPU memory for big models."),
-    moments: bool = typer.Option(True, "--moments/--no-moments", help="Store Σh, Σhhᵀ per layer (float64 sums, d² per layer) for anisotropy, IsoScore, PCA, effective rank, αReQ (on by default)."),
-    cross_moments: bool = typer.Option(False, "--cross-moments/--no-cross-moments", help="Also Σ h_l h_{l+1}ᵀ per pair of consecutive layers (d² more per layer) for linearity, CKA and Procrustes (opt-in: +5–9% whole-process time on the CPU benchmark, where it more than doubles the moments' arithmetic; docs/measures.md)."),
-    moments_precision: Optional[str] = typer.Option(None, help="Per-batch d×d products of the moments, added into float64 sums: float32 (rows shifted by a centre; ~1e-7 relative) | bfloat16 (the bf16 hidden states' exact products on tensor cores, float32 accumulation; needs --dtype bfloat16) | float64 (exact products, slowest). Default: bfloat16 on cuda with --dtype bfloat16, else float32. Errors measured: docs/performance.md."),
-    sequences: Optional[bool] = typer.Option(None, "--sequences/--no-sequences", help="Also the per-window measures: moments of mean-, last- and normalised-mean-pooled window vectors (sequence_spectrum, dataset_entropy), curvature, massive activations (opt-in: +6% whole-process time on the CPU benchmark; docs/measures.md)."),
-    prompt_entropy: bool = typer.Option(False, "--prompt-entropy", help="Also the prompt entropy of every window (one eigendecomposition per window and layer; implies --sequences; cost in docs/measures.md)."),
-    sample: int = typer.Option(0, help="Also keep a mergeable bottom-k sample of K token vectors per layer (intrinsic dimension)."),
-    skip_done: bool = typer.Option(False, "--skip-done", help="Keep runs already in the warehouse with the same settings and data (resume a sweep) instead of replacing them."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow model code from the hub (off by default)."),
-    special_tokens: bool = typer.Option(False, "--count-special-tokens/--no-count-special-tokens", help="Also count the positions of the special tokens the tokenizer adds (BOS, [CLS], [SEP]: attention sinks); by default they are fed but not counted."),
-    memory_budget: Optional[str] = typer.Option(None, help="Bytes the float64 token sums may hold (e.g. 512MB, 20GiB); beyond it they are spilled exactly to --spill-dir and merged at the end. Default: half the memory free on the accumulator's device."),
-    spill_dir: Optional[Path] = typer.Option(None, help="Directory for spilled sums (default: the system's temp directory)."),
-    name: Optional[str] = typer.Option(None, "--name", help="The model's name in the warehouse (default: the directory's name, the hub id or the alias). Two different weights under one name are refused: name one of them."),
-    replace: bool = typer.Option(False, "--replace", help="Drop committed partials this run conflicts with instead of refusing: shards of its sources that overlap its shard without being covered by it (a new sharding), shards of another version of a source file, and whatever holds other weights under this model name and checkpoint (docs/extract.md, 'Shards and identity')."),
-    module: Optional[List[str]] = typer.Option(None, "--module", help="ROLE=PATH: name a module where discovery is wrong (roles: embedding, blocks, final_norm, unembedding; PATH 'none' for none), e.g. --module final_norm=model.norm. Repeatable."),
-    fold: bool = typer.Option(True, "--fold/--no-fold", help="Fold this run's partials into the merged tables the views read, in its commit (with every partial of the checkpoint still pending, in one pass). --no-fold only appends them: the commit then costs the partials' bytes, not the checkpoint's merged state (Slurm arrays, one job per shard); they are pending, not in the views, until `cli.py merge` (or `cli.py sweep`, `compact`) folds them."),
-    compact: bool = typer.Option(False, "--compact", help="Compact each checkpoint right after its commit (as `cli.py compact`: the disk keeps the views' tables only; the checkpoint then takes no new partial, so give it only to the run that completes a checkpoint)."),
-):
+@app.command(cls=GroupedHelp)
+@declared_options  # every option as extract/declared.py declares it
+def extract(**options):
     """Run a model over text sources and store mergeable sums.
 
     Example: python cli.py extract --model pythia-70m --checkpoint step143000 --source enron=enron.jsonl.zst --unit sentence
@@ -109,7 +68,7 @@ def extract(
 
     Example (one node, 8 GPUs, one shard per GPU): torchrun --standalone --nproc_per_node 8 cli.py extract --model pythia-1.4b --source pile=val.jsonl.zst
     """
-    options = dict(locals())  # every option by name, before anything else is bound
+    warehouse = options["warehouse"]
     try:
         from extract.launch import finish, reducer_for
         from extract.options import prepare
@@ -123,7 +82,7 @@ def extract(
         tag = f"[rank {launch.rank} of {launch.world_size}] " if launch.distributed else ""
         reducer = reducer_for(launch, job.settings.device, job.settings.spill_dir)  # torchrun: ranks add, rank 0 commits
         results = run_extract(job.ref, job.revisions, job.sources, warehouse, job.settings, log=lambda m: typer.echo(tag + m, err=True),
-                              reducer=reducer, compact=compact)
+                              reducer=reducer, compact=options["compact"])
         typer.echo(tag + summary_line(results, time.perf_counter() - start) +
                    f"; shard {launch.shard[0]}/{launch.shard[1]} ({launch.launcher}); warehouse: {warehouse}", err=True)
         finish(launch, reducer)  # under torchrun: rank 0 has committed when this returns
@@ -146,30 +105,6 @@ def _interrupted(line: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(130)
-
-
-def _extract_specs() -> dict:
-    """The extract command's options as a sweep file may give them: kind, default, flag spellings
-    (from the command's own signature, so the two never drift apart)."""
-    import inspect
-    import typing
-
-    from extract.sweep import OptionSpec
-
-    hints = typing.get_type_hints(extract)
-    specs = {}
-    for name, param in inspect.signature(extract).parameters.items():
-        hint, info = hints[name], param.default
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        base = args[0] if args else hint
-        kind = ("list" if typing.get_origin(base) in (list, List) else "flag" if base is bool
-                else "int" if base is int else "str")
-        decls = [d for d in info.param_decls if d.startswith("--")]
-        on, _, off = (decls[0] if decls else "--" + name.replace("_", "-")).partition("/")
-        if kind == "flag" and not decls:
-            off = "--no-" + name.replace("_", "-")
-        specs[name] = OptionSpec(kind, None if info.default is ... else info.default, on, off or None)
-    return specs
 
 
 @app.command()
@@ -195,7 +130,6 @@ def sweep(
     import datetime
 
     from extract import sweep as sw
-    from extract.options import SOURCE_OPTIONS
     from extract.run import summary_line
     from extract.sources import BUILTIN
 
@@ -204,7 +138,7 @@ def sweep(
             raise UserError("--task runs one unit: it cannot go with --plan, --commands or --slurm")
         if plan_id is not None and task is None:
             raise UserError("--plan-id goes with --task")
-        spec = sw.read_config(config, _extract_specs(), SOURCE_OPTIONS, tuple(BUILTIN))
+        spec = sw.read_config(config, tuple(BUILTIN))
         where = warehouse or spec.warehouse
         planning = plan or commands or slurm is not None
         p = sw.plan(spec, where, planning=planning)
@@ -299,7 +233,7 @@ def validate(
     """Check every file of the warehouse against the schema, the manifest and its commit record's
     checksum, and every merged table against a fresh merge of its partials.
 
-    Example: python cli.py validate --warehouse warehouse --fix
+    Example: python cli.py validate --fix
     """
     from warehouse.storage import open_storage
     from warehouse.validate import parse_duration, purge as run_purge, validate as run_validate
@@ -330,7 +264,7 @@ def merge_pending(
     merged tables the views read: every pending partial of a group in one pass over its state, one
     commit record.  Safe beside running extracts and other merges (nothing is folded twice).
 
-    Example: python cli.py merge --warehouse warehouse --model pythia-1.4b --checkpoint step143000
+    Example: python cli.py merge --model pythia-1.4b --checkpoint step143000
     """
     from warehouse.merge import fold_pending
     from warehouse.query import refresh_companions
@@ -356,7 +290,7 @@ def compact(
     state, keeping every table a view reads (all views stay exact).  A compacted checkpoint takes no
     new or re-run partial (that is refused with an error); extract those into another warehouse.
 
-    Example: python cli.py compact --warehouse warehouse --model pythia-1.4b --checkpoint step143000
+    Example: python cli.py compact --model pythia-1.4b --checkpoint step143000
     """
     from warehouse.merge import compact as run_compact
     from warehouse.query import refresh_companions
@@ -378,7 +312,7 @@ def compact(
 def views(warehouse: str = WAREHOUSE):
     """Rewrite WAREHOUSE/views.sql, the DuckDB shell's init file (e.g. after moving the warehouse).
 
-    Example: python cli.py views --warehouse warehouse && duckdb -init warehouse/views.sql
+    Example: python cli.py views && duckdb -init isotropy-warehouse/views.sql
     """
     from warehouse.query import write_views_file
     from warehouse.storage import open_storage
@@ -436,7 +370,7 @@ def train(
 
     Example: python cli.py train --source stdlib-docs --out micro/untied --untied --steps 600 --save-every 60
 
-    Example (isotropy in the loop): python cli.py train --out micro/untied --probe probe=probe.txt --warehouse warehouse
+    Example (isotropy in the loop): python cli.py train --out micro/untied --probe probe=probe.txt
     """
     from extract.sources import fingerprint, parse_source
     from extract.train import Probe, TrainSettings, train as run_train
@@ -494,7 +428,7 @@ def report(
 ):
     """Draw the paper's figures (and more) from the warehouse: index.html, PNG, SVG and CSV per chart.
 
-    Example: python cli.py report --warehouse warehouse --out reports && chromium reports/index.html
+    Example: python cli.py report --out reports && chromium reports/index.html
     """
     from warehouse.report import build_report
 

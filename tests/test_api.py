@@ -92,14 +92,47 @@ def test_weights_fingerprint(model_factory):
     assert weights_fingerprint(a.to(torch.bfloat16)) != weights_fingerprint(b)
 
 
-def test_setting_defaults_are_the_cli_defaults():
-    from isotropy_warehouse import cli
+def test_setting_defaults_are_what_the_command_line_hands_on(monkeypatch):
+    """The API's defaults are the options `cli.py extract --model M --source S` hands to `prepare`, as
+    the command line parsed them: one declaration (extract/declared.py) read by both."""
+    import extract.options
+    from common.default_warehouse import DEFAULT_WAREHOUSE
     from extract.api import SETTING_DEFAULTS
+    from extract.declared import OPTIONS
 
-    specs = cli._extract_specs()
-    mine = {k: s.default for k, s in specs.items() if k not in ("model", "checkpoint", "checkpoints", "source",
-                                                                "warehouse", "name")}  # name: a keyword of its own
-    assert mine == SETTING_DEFAULTS
+    seen = {}
+
+    def spy(options, launch=None):
+        seen.update(options)
+        raise UserError("stop here")
+
+    monkeypatch.setattr(extract.options, "prepare", spy)
+    code, _, err = run_cli("extract", "--model", "m", "--source", "a=b.txt")
+    assert code == 2 and "stop here" in err, err
+    assert list(seen) == [o.name for o in OPTIONS]  # every declared option, in order, and no other
+    run = {"model": "m", "checkpoint": None, "checkpoints": None, "source": ["a=b.txt"],
+           "warehouse": DEFAULT_WAREHOUSE, "name": None}  # given here, or the API's own keywords
+    assert {k: v for k, v in seen.items() if k in run} == run
+    assert {k: v for k, v in seen.items() if k not in run} == SETTING_DEFAULTS
+
+
+def test_a_run_records_every_declared_setting_with_the_declared_defaults():
+    """`Settings` (what a run records) holds exactly the declared recorded options, and its own defaults
+    are the declared defaults as `make_settings` resolves them on a CPU; --skip-done compares only
+    recorded settings."""
+    from dataclasses import fields
+
+    from extract.declared import OPTIONS, RESULT_SETTINGS, defaults
+    from extract.launch import Launch
+    from extract.options import make_settings
+    from extract.run.settings import Settings
+
+    recorded = {o.recorded for o in OPTIONS if o.recorded}
+    from_source = {o.recorded for o in OPTIONS if o.recorded and o.source}  # recorded from the Source
+    assert from_source == {"pile_set", "split_by"}
+    assert {f.name for f in fields(Settings)} - {"read_shard"} == recorded - from_source
+    assert set(RESULT_SETTINGS) <= recorded and "scatter" not in recorded
+    assert make_settings(defaults(), Launch((1, 1), "single"), False) == Settings()
 
 
 def _blocks(tok, texts, length=32):

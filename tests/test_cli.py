@@ -113,3 +113,86 @@ def test_query_side_imports_neither_torch_nor_transformers(single, tmp_path, com
     assert line, out.stderr[-2000:]
     assert line[-1].split()[1] == "0", out.stderr[-2000:] + out.stdout[-2000:]  # the command succeeded
     assert line[-1].split()[2:] == [], f"{command[0]} imported {line[-1].split()[2:]}"
+
+
+def test_extract_help_lists_every_declared_option_in_its_group():
+    """`extract --help` shows the declared groups in order, each option under its own group (and
+    `--scatter`, removed, nowhere), with the command's examples."""
+    from extract.declared import GROUPS, OPTIONS
+
+    code, out, _ = run_cli("extract", "--help")
+    assert code == 0 and "Example:" in out and "--scatter" not in out
+    titles = [title for _, title in GROUPS]
+    at = [out.index(f"\n{title}:\n") for title in titles]
+    assert at == sorted(at) and "\nOptions:\n" not in out
+    ends = at[1:] + [out.index("\nOther options:\n")]
+    for o in OPTIONS:
+        g = [key for key, _ in GROUPS].index(o.group)
+        section = out[at[g]:ends[g]]
+        assert f" {o.flag}" in section, (o.name, titles[g])
+        if o.off:
+            assert f"{o.flag} / {o.off}" in section, o.name
+
+
+def test_every_command_defaults_to_the_same_warehouse_outside_the_source_tree(tmp_path):
+    """One default warehouse (common/default_warehouse.py): every command's --warehouse, a sweep file
+    without `warehouse`, and warehouse.query's functions; ISOTROPY_WAREHOUSE changes it for all."""
+    import inspect
+    import os
+
+    from typer.main import get_command
+
+    import cli
+    from common.default_warehouse import DEFAULT_WAREHOUSE
+    from extract import sweep as sw
+    from warehouse import query
+
+    assert DEFAULT_WAREHOUSE == (os.environ.get("ISOTROPY_WAREHOUSE") or "isotropy-warehouse")
+    defaults = {name: p.default for name, c in get_command(cli.app).commands.items() for p in c.params
+                if p.name == "warehouse"}
+    assert {"extract", "sql", "validate", "merge", "compact", "views", "pull", "report", "train"} <= set(defaults)
+    assert defaults.pop("sweep") is None  # there --warehouse overrides the file's, whose default is this one
+    assert set(defaults.values()) == {DEFAULT_WAREHOUSE}, defaults
+    config = tmp_path / "sweep.toml"
+    config.write_text('models = ["m"]\n[sources]\na = "a.txt"\n')
+    assert sw.read_config(config).warehouse == DEFAULT_WAREHOUSE
+    for f in (query.connect, query.sql, query.view, query.isoscore_star):
+        p = list(inspect.signature(f).parameters.values())
+        assert [x.default for x in p if x.name in ("root", "warehouse")] == [DEFAULT_WAREHOUSE], f.__name__
+    env = {**os.environ, "ISOTROPY_WAREHOUSE": "s3://bucket/elsewhere"}
+    out = subprocess.run([sys.executable, "cli.py", "views", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0 and "[default: s3://bucket/elsewhere]" in " ".join(out.stdout.split()), out.stdout
+
+
+def test_a_default_extract_leaves_the_checkout_clean(tmp_path, model_factory, sources):
+    """`python cli.py extract` without --warehouse, in a copy of the checkout, writes only under the
+    ignored ./isotropy-warehouse (never into the source package `warehouse/`): `git status` stays clean."""
+    import os
+    import shutil
+
+    def git(*args, cwd):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd,
+                              capture_output=True, text=True, timeout=120)
+
+    listed = git("ls-files", "-z", cwd=ROOT)
+    if shutil.which("git") is None or listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    copy = tmp_path / "checkout"
+    for rel in filter(None, listed.stdout.split("\0")):
+        if (ROOT / rel).is_file():
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, copy / rel)
+    assert git("init", "-q", cwd=copy).returncode == 0
+    git("add", "-A", cwd=copy)
+    assert git("commit", "-qm", "copy", cwd=copy).returncode == 0
+    env = {k: v for k, v in os.environ.items() if k != "ISOTROPY_WAREHOUSE"}
+    run = subprocess.run([sys.executable, "cli.py", "extract", "--model", str(model_factory("gpt_neox")),
+                          "--source", f"alpha={sources['alpha']}", "--max-tokens", "200"],
+                         cwd=copy, capture_output=True, text=True, timeout=300, env={**env, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "warehouse: isotropy-warehouse" in run.stderr and (copy / "isotropy-warehouse" / "views.sql").is_file()
+    assert git("status", "--porcelain", "--untracked-files=all", cwd=copy).stdout == ""
+    ignored = git("status", "--porcelain", "--ignored", "--untracked-files=all", cwd=copy).stdout.splitlines()
+    written = [line[3:] for line in ignored if "__pycache__/" not in line]
+    assert written and all(p.startswith("isotropy-warehouse/") for p in written), written

@@ -303,7 +303,7 @@ def test_folded_partials_path_gives_the_same_views(workdir, sources, model_facto
     (--accumulator-device cpu on a GPU): per-batch partials folded in. Forced here on the CPU."""
     import functools
 
-    import extract.run as run_module
+    import extract.run.stream as run_module
     from extract.accumulate.sums import TokenSums
 
     monkeypatch.setattr(run_module, "TokenSums", functools.partial(TokenSums, fold_partials=True))

@@ -436,7 +436,7 @@ def test_batches_pack_by_tokens_and_sort_by_length(special):
     budget (a longer window alone), at most --batch-size windows; --batch-size alone: that many."""
     import random
 
-    from extract.run import batches
+    from extract.run.windows import batches
 
     class Tok:
         pad_token_id, eos_token_id, all_special_ids = 0, 1, [0, 1, 2, 3]

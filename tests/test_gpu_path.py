@@ -199,7 +199,7 @@ def test_the_probe_itself_fails_closed(monkeypatch):
 
 
 def _sums(model_dir, source_path, monkeypatch, prefetch: int, mask_only_with_padding: bool, **settings):
-    from extract import run
+    from extract.run import settings as run_settings, stream as run
     from extract.models import load, resolve_model
     from extract.sources import Source
 
@@ -218,8 +218,8 @@ def _sums(model_dir, source_path, monkeypatch, prefetch: int, mask_only_with_pad
 
     monkeypatch.setattr(run, "base_forward", spy)
     loaded = load(resolve_model(str(model_dir)), "main", torch.float32, "cpu")
-    s = run.Settings(**settings)
-    result = run.SourceResult("alpha")
+    s = run_settings.Settings(**settings)
+    result = run_settings.SourceResult("alpha")
     acc = run.accumulate_source(loaded, Source("alpha", source_path), s, result)
     try:
         out = [acc.dense(layer) for layer in range(acc.L)]
@@ -377,13 +377,13 @@ def test_the_whole_batch_loop_has_no_host_sync_on_cuda(model_factory, sources, m
     """On a GPU, after the first batch (which compiles the step and decides each layer's bf16 rows),
     the whole batch loop — batches made on the background thread, pinned copies, the forward without
     a mask, the hooks, the token sums, bf16 moments — runs under CUDA's sync debug mode "error"."""
-    from extract import run
-    from extract.models import load, resolve_model
+    from extract.run import settings as run_settings, stream as run
+    from extract.models import load, resolve_model, to_compute
     from extract.sources import Source
 
     loaded = load(resolve_model(str(model_factory("gpt_neox"))), "main", torch.bfloat16, "cuda")
-    run.to_compute(loaded, torch.bfloat16, "cuda")
-    real = run._forward
+    to_compute(loaded, torch.bfloat16, "cuda")
+    real = run.forward_batch
     calls = []
 
     def forward(*a):
@@ -393,11 +393,11 @@ def test_the_whole_batch_loop_has_no_host_sync_on_cuda(model_factory, sources, m
             torch.cuda.set_sync_debug_mode("error")
         return real(*a)
 
-    monkeypatch.setattr(run, "_forward", forward)
-    s = run.Settings(device="cuda", dtype="bfloat16", moments_precision="bfloat16", batch_size=2, max_length=24,
+    monkeypatch.setattr(run, "forward_batch", forward)
+    s = run_settings.Settings(device="cuda", dtype="bfloat16", moments_precision="bfloat16", batch_size=2, max_length=24,
                      memory_budget=1 << 30)
     try:
-        acc = run.accumulate_source(loaded, Source("alpha", sources["alpha"]), s, run.SourceResult("alpha"))
+        acc = run.accumulate_source(loaded, Source("alpha", sources["alpha"]), s, run_settings.SourceResult("alpha"))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     try:

@@ -85,7 +85,7 @@ def test_wheel_in_a_fresh_venv_answers_a_view(tmp_path, sources, model_factory):
     rows = json.loads(out.stdout)
     assert len(rows) >= 2 and all(isinstance(r["inter_sim"], float) for r in rows), rows
     # Provenance of an installed copy: its version, not the git repository site-packages may lie in.
-    prov = subprocess.run([str(py), "-c", "from extract.run import git_hash; print(git_hash())"], capture_output=True,
+    prov = subprocess.run([str(py), "-c", "from extract.run.provenance import git_hash; print(git_hash())"], capture_output=True,
                           text=True, env=_child_env(), cwd=outside)
     try:
         import tomllib

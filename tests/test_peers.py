@@ -602,7 +602,7 @@ def test_cross_moments_are_opt_in_and_never_half_merged(peers, workdir, sources,
     """--cross-moments stores Σ h_l h_{l+1}ᵀ (float32 products, float64 sums) and gives linearity, CKA and
     Procrustes equal to the float64 run's; a group whose partials do not all hold them gives no
     linearity row at all (never one from part of the tokens); --no-moments refuses them."""
-    from extract.run import recorded_setting
+    from extract.run.settings import recorded_setting
 
     model = model_factory("gpt_neox", tied=False)
     wh = workdir / "peers-wh-cross"

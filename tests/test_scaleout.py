@@ -199,8 +199,9 @@ def test_slurm_array_environment_picks_the_shard(single, workdir):
 @pytest.mark.parametrize("batching", [[], ["--batch-tokens", "40"], ["--batch-tokens", "200", "--batch-size", "3"]])
 def test_batching_by_tokens_gives_the_same_numbers(single, workdir, batching):
     """Token-budget batches (the default: 8 windows' worth, ≥ 4,096 tokens; a small budget; a budget
-    with a window cap) against the fixed 2-window batches of `single`: the same views, to the float32
-    forward's noise (padding and batch shape change its rounding)."""
+    with a window cap) against the fixed 2-window batches of
+    `single`: the same views, to the float32 forward's noise (padding and batch shape change its
+    rounding)."""
     args = [a for a in single["args"] if a not in ("--batch-size", "2")]
     wh = workdir / ("batching-" + ("-".join(batching[1::2]) or "default"))
     code, _, err = run_cli("extract", *args, *batching, "--warehouse", wh)
@@ -356,3 +357,44 @@ def test_sweep_command_line_mistakes(workdir):
     assert code == 2 and "--task runs one unit" in err
     code, _, err = run_cli("sweep", workdir / "missing.toml", "--plan-id", "abc")
     assert code == 2 and "--plan-id goes with --task" in err
+
+
+def test_sweep_settings_spell_every_option_as_the_command_line(tmp_path, monkeypatch):
+    """Every extract option a sweep file may set (extract/declared.py, not the command's signature), set
+    away from its default in [settings] or a source's table, comes back from the unit's `--commands` line
+    through `cli.py extract` as the same value: the sweep's spellings are the command line's."""
+    import json
+
+    import extract.options
+    from extract import sweep as sw
+    from extract.declared import OPTIONS, SOURCE_OPTIONS
+
+    values = {"flag": None, "int": 7, "str": "x", "list": ["a", "b"], "path": str(tmp_path / "spill")}
+    settings, per_source = {}, {}
+    for o in OPTIONS:
+        if o.name in sw.RESERVED or o.name in ("model", "checkpoints", "name"):
+            continue
+        value = (o.default is not True) if o.kind == "flag" else values[o.kind]  # away from the default
+        (per_source if o.name in SOURCE_OPTIONS else settings)[o.name] = value
+    settings["name"] = "named"
+    settings["moments"] = False  # its off spelling
+    config = tmp_path / "every.toml"
+    toml = lambda d: "\n".join(f"{k.replace('_', '-')} = {json.dumps(v)}" for k, v in d.items())  # noqa: E731
+    config.write_text(f'models = ["m"]\n[sources.a]\nsource = "a.txt"\n{toml(per_source)}\n[settings]\n{toml(settings)}\n')
+    spec = sw.read_config(config)
+    line, = sw.commands(spec, sw.units(spec, lambda model, checkpoints: ["main"]), warehouse="wh")
+    args = shlex.split(line)
+    assert args[:3] == ["python", "cli.py", "extract"]
+    seen = {}
+
+    def spy(options, launch=None):
+        seen.update(options)
+        raise UserError("stop here")
+
+    monkeypatch.setattr(extract.options, "prepare", spy)
+    code, _, err = run_cli(*args[2:])
+    assert code == 2 and "stop here" in err, err
+    for name, value in {**settings, **per_source}.items():
+        got = str(seen[name]) if name == "spill_dir" else seen[name]  # a path on the command line
+        assert got == value, (name, got, value)
+    assert seen["skip_done"] is True and seen["shard"] == "1/1" and seen["warehouse"] == "wh"

@@ -262,7 +262,7 @@ def test_a_hidden_spill_directory_left_before_its_lock_goes_only_when_old(tmp_pa
 
 
 def test_spill_everything_then_a_lower_budget(unbudgeted, tmp_path):
-    """What a split source does when a new value arrives (extract/run.py, accumulate_split): the
+    """What a split source does when a new value arrives (extract/run/stream.py, accumulate_split): the
     budget is lowered and `spill()` evicts every type and releases the table; the sums still equal
     the unbudgeted run."""
     _, want = unbudgeted

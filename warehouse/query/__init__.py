@@ -21,6 +21,7 @@ from pathlib import Path
 
 import duckdb
 
+from common.default_warehouse import DEFAULT_WAREHOUSE
 from common.errors import UserError
 
 from .. import merge
@@ -41,7 +42,7 @@ __all__ = ["connect", "sql", "view", "isoscore_star", "duckdb_error_line",
            "companions_current", "refresh_companions", "views_tag", "write_views_file"]
 
 
-def connect(root="warehouse") -> "ReadOnlyConnection":
+def connect(root=DEFAULT_WAREHOUSE) -> "ReadOnlyConnection":
     """An in-memory DuckDB connection with every view of the warehouse at `root` (a directory or
     s3://bucket/prefix), read-only: locked (`read_only`) and every statement checked
     (`ReadOnlyConnection`).  Use it as a DuckDBPyConnection: `connect(wh).execute(q).pl()`.  Partials
@@ -76,7 +77,7 @@ def duckdb_error_line(e: Exception) -> str:
     return text[:400]
 
 
-def sql(query: str, warehouse: str | Path = "warehouse"):
+def sql(query: str, warehouse: str | Path = DEFAULT_WAREHOUSE):
     """Run `query` against the warehouse's views and return a Polars DataFrame.
 
     Example: sql("SELECT * FROM inter_sim ORDER BY model, layer", "warehouse")
@@ -89,12 +90,12 @@ def sql(query: str, warehouse: str | Path = "warehouse"):
         con.close()
 
 
-def view(name: str, warehouse: str | Path = "warehouse"):
+def view(name: str, warehouse: str | Path = DEFAULT_WAREHOUSE):
     """One view (e.g. "avg_intra_sim") as a Polars DataFrame."""
     return sql(f"SELECT * FROM {name}", warehouse)
 
 
-def isoscore_star(zeta: float, warehouse: str | Path = "warehouse"):
+def isoscore_star(zeta: float, warehouse: str | Path = DEFAULT_WAREHOUSE):
     """IsoScore* (Rudman et al.) with shrinkage toward C₀ = I: the IsoScore of (1 − ζ)C + ζI, whose
     eigenvalues are (1 − ζ)λ + ζ.  Columns: model, checkpoint, step, source, layer, n, zeta, isoscore_star.
 
