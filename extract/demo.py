@@ -23,7 +23,7 @@ from pathlib import Path
 
 from warehouse.report import build_report
 
-from .models import resolve_model, select_checkpoints
+from .models import resolve_model
 from .run import Settings, extract
 from .sources import fingerprint, parse_source
 from .train import TrainSettings, train
@@ -72,27 +72,28 @@ def run_demo(root: Path, settings: DemoSettings, log=print) -> dict:
     source = parse_source("stdlib-docs")
     fp = fingerprint(source)  # reads the docstrings once; training and extraction reuse them
     stage("read stdlib-docs", t0)
+    trained: dict[str, list[str]] = {}
     for i, (name, tied) in enumerate(MICRO, 1):
         log(f"demo: train {name} ({i} of 2), {time.perf_counter() - t0:.0f} s in")
         out = models / name
         if settings.force and (out / "train.json").exists():
             (out / "train.json").unlink()  # forces retraining
         t = time.perf_counter()
-        train(source, out, TrainSettings(tied=tied, steps=settings.steps, save_every=settings.save_every,
-                                         batch_size=settings.batch_size), fp, log=log)
+        record = train(source, out, TrainSettings(tied=tied, steps=settings.steps, save_every=settings.save_every,
+                                                  batch_size=settings.batch_size), fp, log=log)
+        trained[name] = list(record["checkpoints"])  # this run's steps (a directory may hold another run's too)
         stage(f"train {name}", t)
     ex = Settings(max_tokens=settings.max_tokens, skip_done=not settings.force, moments=True, cross_moments=True, sample=settings.sample,
                   sequences=True, prompt_entropy=True,  # every figure of the report, the opt-in ones included
                   replace=settings.force)  # --force: retrained weights replace the old ones under their names
-    specs = ("minilm", *(str(models / name) for name, _ in MICRO))
+    specs = {"minilm": ["main"], **{str(models / name): trained[name] for name, _ in MICRO}}
     gc.collect()
     gc.freeze()  # the libraries' objects: out of the collections that each checkpoint's release of memory runs
     try:
-        for i, spec in enumerate(specs, 1):
+        for i, (spec, checkpoints) in enumerate(specs.items(), 1):
             log(f"demo: extract {Path(spec).name} ({i} of {len(specs)}), {time.perf_counter() - t0:.0f} s in")
             t = time.perf_counter()
             ref = resolve_model(spec)
-            checkpoints = select_checkpoints(ref, "all") if ref.name.startswith("micro-") else ["main"]
             extract(ref, checkpoints, [source], warehouse, ex, log=log)
             stage(f"extract {ref.name} ({len(checkpoints)} checkpoint{'s' if len(checkpoints) > 1 else ''})", t)
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import replace
 
 from safetensors.numpy import load_file
@@ -119,7 +120,8 @@ def test_demo_end_to_end_and_reuse(workdir):
     total = int(re.search(r"^demo finished in (\d+) s:$", stdout, re.M).group(1))
     assert abs(total - sum(float(s) for _, s in stages)) <= 3  # the stages are the whole run
     runs = con.execute("SELECT run_id FROM runs ORDER BY ALL").fetchall()
-    code, stdout, err = run_cli(*args)  # again: nothing retrained or re-extracted
+    shutil.copytree(out / "models" / "micro-tied" / "step2", out / "models" / "micro-tied" / "step9")  # another run's
+    code, stdout, err = run_cli(*args)  # again: nothing retrained or re-extracted, only this run's steps
     assert code == 0, err
     assert err.count("reusing it") == 2 and err.count("skipped") == 7
     assert connect(out / "warehouse").execute("SELECT run_id FROM runs ORDER BY ALL").fetchall() == runs
