@@ -390,26 +390,32 @@ def train(
 @app.command()
 def demo(
     directory: Path = typer.Option(Path("demo"), "--dir", "-d", help="Where models, warehouse and report go."),
-    steps: int = typer.Option(600, help="Training steps of each micro model."),
-    save_every: int = typer.Option(60, help="Checkpoint interval of the micro models."),
-    max_tokens: int = typer.Option(100_000, help="Tokens extracted per checkpoint."),
+    full: bool = typer.Option(False, "--full", help="The larger run: 600 steps of batch 16, 100,000 tokens per checkpoint."),
+    steps: Optional[int] = typer.Option(None, help="Training steps of each micro model (default 200; --full 600)."),
+    save_every: Optional[int] = typer.Option(None, help="Checkpoint interval of the micro models (default 25; --full 60)."),
+    batch_size: Optional[int] = typer.Option(None, help="Training sequences per step (default 8; --full 16)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Tokens extracted per checkpoint (default 20,000; --full 100,000)."),
     force: bool = typer.Option(False, "--force", help="Retrain and re-extract even when done before."),
 ):
     """The whole job offline: train tied/untied micro models, extract them and MiniLM, draw the report.
 
     Example: python cli.py demo --dir demo
     """
-    from extract.demo import DemoSettings, run_demo
+    start = time.perf_counter()
+    from extract.demo import demo_settings, run_demo
 
+    libraries = time.perf_counter() - start
+    settings = demo_settings(full, force, steps=steps, save_every=save_every, batch_size=batch_size,
+                             max_tokens=max_tokens)
     try:
-        result = run_demo(directory, DemoSettings(steps=steps, save_every=save_every, max_tokens=max_tokens,
-                                                  force=force), log=lambda m: typer.echo(m, err=True))
+        result = run_demo(directory, settings, log=lambda m: typer.echo(m, err=True))
     except UserError as e:
         fail(str(e))
-    t = result["timings"]
+    stages = [("start-up (imports)", libraries), *result["stages"]]
     views = result["warehouse"] / "views.sql"
-    typer.echo(f"\ndemo finished in {t['total']:.0f} s (train {t['train']:.0f} s, extract {t['extract']:.0f} s, "
-               f"report {t['report']:.0f} s)")
+    typer.echo(f"\ndemo finished in {libraries + result['seconds']:.0f} s:")
+    for name, seconds in stages:
+        typer.echo(f"  {name:<40} {seconds:6.1f} s")
     typer.echo(f"warehouse: {result['warehouse']}")
     typer.echo(f"report:    {result['report']}  ({result['drawn']} of {result['figures']} figures)")
     for f in result["missing"]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
+from dataclasses import replace
 
 from safetensors.numpy import load_file
 
@@ -109,8 +112,33 @@ def test_demo_end_to_end_and_reuse(workdir):
 
     assert f"{len(FIGURES)} of {len(FIGURES)} figures" in stdout
     assert "duckdb -init" in stdout and stdout.count("SELECT") == 2
+    stages = re.findall(r"^  (\S.*?) +(\d+\.\d) s$", stdout, re.M)  # each stage's time, in order
+    assert [name for name, _ in stages] == [
+        "start-up (imports)", "read stdlib-docs", "train micro-tied", "train micro-untied",
+        "extract minilm (1 checkpoint)", "extract micro-tied (3 checkpoints)", "extract micro-untied (3 checkpoints)",
+        "report"]
+    total = int(re.search(r"^demo finished in (\d+) s:$", stdout, re.M).group(1))
+    assert abs(total - sum(float(s) for _, s in stages)) <= 3  # the stages are the whole run
     runs = con.execute("SELECT run_id FROM runs ORDER BY ALL").fetchall()
-    code, stdout, err = run_cli(*args)  # again: nothing retrained or re-extracted
+    shutil.copytree(out / "models" / "micro-tied" / "step2", out / "models" / "micro-tied" / "step9")  # another run's
+    code, stdout, err = run_cli(*args)  # again: nothing retrained or re-extracted, only this run's steps
     assert code == 0, err
     assert err.count("reusing it") == 2 and err.count("skipped") == 7
     assert connect(out / "warehouse").execute("SELECT run_id FROM runs ORDER BY ALL").fetchall() == runs
+
+
+def test_demo_sizes_full_and_their_help():
+    """`--full` is the larger run; an option given replaces its size; `demo --help` states both sizes."""
+    import typer.main
+
+    from extract.demo import FULL, DemoSettings, demo_settings
+    from isotropy_warehouse.cli import app
+
+    small = DemoSettings()
+    assert demo_settings() == small and demo_settings(True) == FULL
+    assert (FULL.steps, FULL.save_every, FULL.batch_size, FULL.max_tokens) == (600, 60, 16, 100_000)
+    assert demo_settings(True, True, steps=4, max_tokens=None) == replace(FULL, steps=4, force=True)
+    assert small.steps % small.save_every == 0 and small.steps < FULL.steps and small.max_tokens < FULL.max_tokens
+    helps = {p.name: p.help for p in typer.main.get_command(app).commands["demo"].params}
+    for name in ("steps", "save_every", "batch_size", "max_tokens"):
+        assert f"(default {getattr(small, name):,}; --full {getattr(FULL, name):,})" in helps[name], name
