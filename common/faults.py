@@ -1,6 +1,6 @@
 """Fault injection for the reliability tests: `ISO_FAULT=point[:n]` kills the process with
-SIGKILL the n-th time (default 1st) execution reaches `point`.  Unset, `hit()` is one dict
-lookup.  Points: read, forward, write, close, merge (merged files written, manifest not yet),
+SIGKILL the n-th time (default 1st) execution reaches `point`.  Unset, `hit()` is two lookups in
+the environment.  Points: read, forward, write, close, merge (merged files written, manifest not yet),
 manifest, views, gc, compact, spill (between the layers of a spill run, extract/accumulate/spill.py), reduce (a
 torchrun rank, before its sums are reduced), lease (before a writer's lease is created), release (record
 created, lease not yet removed), quarantine (before validate --fix moves a file), move (S3: copied
@@ -15,23 +15,31 @@ import errno
 import os
 import signal
 
-# ISO_FAULT_RANK=r limits the fault to the process whose RANK (torchrun) is r.
-_RANK = os.environ.get("ISO_FAULT_RANK")
-_SPEC = os.environ.get("ISO_FAULT", "") if _RANK in (None, os.environ.get("RANK")) else ""
-_POINT, _, _N = _SPEC.partition(":")
-_COUNT = {"n": int(_N) if _N else 1}
-_ACTION = os.environ.get("ISO_FAULT_ACTION", "kill")
+# The environment is read when a point is hit, not at import: a process forked from one that imported
+# this module (the tests' fork server) arms its own fault.  Counts are kept per setting, so a changed
+# ISO_FAULT starts counting afresh.  ISO_FAULT_RANK=r limits the fault to the process whose RANK
+# (torchrun) is r.
+_COUNTS: dict[tuple[str, str], int] = {}
 
 
 def hit(point: str) -> None:
-    if point == "merge" and os.environ.get("ISO_PAUSE_FILE"):
-        _pause(os.environ["ISO_PAUSE_FILE"])
-    if _POINT and point == _POINT:
-        _COUNT["n"] -= 1
-        if _COUNT["n"] == 0 and _ACTION == "enospc":  # once: the disk is full at this moment
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        if _COUNT["n"] <= 0 and _ACTION != "enospc":
-            os.kill(os.getpid(), signal.SIGINT if _ACTION == "int" else signal.SIGKILL)
+    env = os.environ
+    if point == "merge" and env.get("ISO_PAUSE_FILE"):
+        _pause(env["ISO_PAUSE_FILE"])
+    spec = env.get("ISO_FAULT")
+    if not spec or spec.partition(":")[0] != point:
+        return
+    rank = env.get("ISO_FAULT_RANK")
+    if rank is not None and rank != env.get("RANK"):
+        return
+    action = env.get("ISO_FAULT_ACTION", "kill")
+    n = spec.partition(":")[2]
+    key = (spec, action)
+    _COUNTS[key] = left = _COUNTS.get(key, int(n) if n else 1) - 1
+    if left == 0 and action == "enospc":  # once: the disk is full at this moment
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if left <= 0 and action != "enospc":
+        os.kill(os.getpid(), signal.SIGINT if action == "int" else signal.SIGKILL)
 
 
 def _pause(flag: str) -> None:

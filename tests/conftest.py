@@ -1,14 +1,44 @@
-"""Session fixtures: tiny models saved to disk, text sources, and warehouses built once."""
+"""Session fixtures: tiny models saved to disk, text sources, and warehouses built once; the fork server
+for command-line children (tests/zygote.py).  How to write a fast test: tests/README.md."""
 
 from __future__ import annotations
 
+import gc
 import os
+import resource
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _temporary_files_in_memory() -> None:
+    """Temporary files (pytest's tmp_path, tempfile, the children's) on tmpfs where the machine has one with
+    room: every commit fsyncs its files, ~8 ms each on this disk under load, ~0.2 ms in memory (an extract
+    commits ~40).  ISO_TEST_TMPDIR chooses the directory; ISO_TEST_TMPDIR= (empty) keeps TMPDIR."""
+    import tempfile
+
+    chosen = os.environ.get("ISO_TEST_TMPDIR")
+    if chosen is None:
+        try:
+            st = os.statvfs("/dev/shm")
+            if st.f_bavail * st.f_frsize < 4 << 30 or not os.access("/dev/shm", os.W_OK):
+                return
+        except OSError:
+            return
+        chosen = f"/dev/shm/isotropy-tests-{os.getuid()}"
+    if not chosen:
+        return
+    os.makedirs(chosen, exist_ok=True)
+    os.environ["TMPDIR"] = chosen
+    os.environ.setdefault("ISO_TEST_TMPDIR", chosen)  # the same for xdist's workers
+    tempfile.tempdir = None  # computed again from TMPDIR
+
+
+_temporary_files_in_memory()
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,6 +54,57 @@ if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 import tiny  # noqa: E402
+import zygote  # noqa: E402
+
+# `python cli.py …` in a child process, forked from a server that has imported everything (subprocess's
+# interface; see tests/zygote.py).  Use them instead of subprocess for the command line.
+fork_popen = zygote.Popen
+fork_run = zygote.run
+fork_ranks = zygote.run_ranks  # torchrun's ranks, forked
+
+
+@pytest.fixture(scope="session")
+def python_shim(workdir) -> Path:
+    """A `python` for scripts that start the command line themselves (Slurm array scripts: `$PYTHON cli.py …`):
+    `python SCRIPT …` forked from the fork server, anything else the real interpreter."""
+    zygote.SERVER.ensure()
+    return zygote.write_python_shim(workdir / "bin")
+
+
+def pytest_collection_finish(session):
+    """Import what the command line's work imports lazily (transformers' model classes: the largest), then
+    move every imported object out of the garbage collector's way: each extract calls gc.collect()
+    (extract/memory.py), which would otherwise walk them all, 0.2–0.3 s each time in this process."""
+    zygote.preload(quiet=True)
+
+
+def pytest_sessionfinish(session):
+    zygote.SERVER.stop()
+
+
+_CPU_LOG = os.environ.get("ISO_TEST_CPU_LOG")  # a file: each test's wall and CPU seconds (this process,
+# its waited children, the forked children) and its run_cli commands appended as TSV, for measuring the suite
+# on a loaded machine
+_CALLS: dict[str, int] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_LOG:
+        yield
+        return
+
+    def now():
+        me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        return (time.perf_counter(), me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime, zygote.CHILD_CPU[0])
+
+    _CALLS.clear()
+    start = now()
+    yield
+    end = now()
+    calls = ",".join(f"{k}:{v}" for k, v in sorted(_CALLS.items()))
+    with open(_CPU_LOG, "a") as f:
+        f.write(item.nodeid + "\t" + "\t".join(f"{b - a:.2f}" for a, b in zip(start, end)) + f"\t{calls}\n")
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +138,8 @@ def run_cli(*args: str):
 
     import cli
 
+    if _CPU_LOG:
+        _CALLS[str(args[0])] = _CALLS.get(str(args[0]), 0) + 1
     result = CliRunner().invoke(cli.app, [str(a) for a in args])
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception

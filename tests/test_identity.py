@@ -20,7 +20,7 @@ import duckdb
 import pytest
 
 import tiny
-from conftest import ROOT, run_cli, same_numbers, views
+from conftest import ROOT, fork_run, run_cli, same_numbers, views
 
 ARGS = ["--max-length", "32", "--batch-size", "2"]
 
@@ -353,12 +353,14 @@ def test_a_text_column_that_is_not_text_is_named(model, tmp_path):
 # ---------------------------------------------------------------- signals and failures after the record
 
 
-def _cli(args, action=None, fault=None, timeout=300):
+def _cli(args, action=None, fault=None, timeout=300, real=False):
+    """`python cli.py ARGS` in a process of its own (forked from the tests' fork server; `real`: a fresh
+    interpreter), with ISO_FAULT=fault and ISO_FAULT_ACTION=action."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if fault:
         env.update(ISO_FAULT=fault, ISO_FAULT_ACTION=action)
-    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return (subprocess.run if real else fork_run)([sys.executable, str(ROOT / "cli.py"), *map(str, args)],
+                                                 capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def _args(model, sources, wh):
@@ -372,7 +374,7 @@ def _lines(err: str) -> list[str]:
 
 def test_sigint_during_extract_is_one_line_exit_130_and_leaves_nothing(model, sources, tmp_path):
     wh = tmp_path / "wh"
-    r = _cli(_args(model, sources, wh), "int", "forward:3")  # Ctrl-C at the 3rd forward pass (after the params)
+    r = _cli(_args(model, sources, wh), "int", "forward:3", real=True)  # Ctrl-C at the 3rd forward pass (after the params)
     assert r.returncode == 130, r.stderr
     assert "terminate called" not in r.stderr and "Traceback" not in r.stderr
     assert _lines(r.stderr) == [f"error: interrupted: nothing of {model.name}@main was committed"]

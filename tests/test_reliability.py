@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, fork_popen, fork_run, run_cli
 from common.errors import UserError
 from extract.sources import ReadStats, Source, documents
 from warehouse.query import connect
@@ -46,12 +46,14 @@ def extract_args(model, sources, wh):
             "--moments", "--sample", "50"]
 
 
-def run_subprocess(args, fault=None, timeout=300):
+def run_subprocess(args, fault=None, timeout=300, real=False):
+    """`python cli.py ARGS` in a process of its own (forked from the tests' fork server; `real`: a fresh
+    interpreter), killed at `fault` (ISO_FAULT)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if fault:
         env["ISO_FAULT"] = fault
-    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return (subprocess.run if real else fork_run)([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True,
+                                                 text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +75,8 @@ def base(workdir, sources, model_factory):
 def test_kill_9_anywhere(base, sources, workdir, point, n):
     wh = workdir / f"rel-kill-{point}-{n}"
     shutil.copytree(base["before"], wh)
-    proc = run_subprocess(extract_args(base["model"], sources, wh), fault=f"{point}:{n}")
+    # one kill in a fresh interpreter, the others forked from the tests' fork server
+    proc = run_subprocess(extract_args(base["model"], sources, wh), fault=f"{point}:{n}", real=point == "write")
     assert proc.returncode == -9, proc.stderr[-2000:]
     state = snapshot(wh)
     want = base["snap_after"] if point in AFTER_COMMIT else base["snap_before"]
@@ -110,7 +113,7 @@ def test_concurrent_writers(workdir, sources, model_factory):
     common = ["--model", str(model), "--source", f"alpha={sources['alpha']}", "--max-length", "32"]
     # different shards at the same time: both land, equal to running them one after the other
     par, seq, same, one = (workdir / f"rel-{k}" for k in ("par", "seq", "same", "one"))
-    start = lambda wh, *extra: subprocess.Popen(  # noqa: E731
+    start = lambda wh, *extra: fork_popen(  # noqa: E731
         [sys.executable, str(ROOT / "cli.py"), "extract", *common, "--warehouse", str(wh), *extra], cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, fork_popen, run_cli
 from common.errors import UserError
 from test_reliability import extract_args, run_subprocess, snapshot
 from warehouse import merge, store
@@ -263,8 +263,8 @@ def test_fix_beside_a_writer_in_flight_leaves_its_files_and_the_commit_lands(cle
     flag = workdir / "rep-race.pause"
     flag.touch()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "ISO_PAUSE_FILE": str(flag)}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), *extract_args(clean["model"], sources, wh)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    proc = fork_popen([sys.executable, str(ROOT / "cli.py"), *extract_args(clean["model"], sources, wh)],
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         reached = Path(str(flag) + ".reached")
         deadline = time.monotonic() + 300

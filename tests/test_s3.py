@@ -15,7 +15,7 @@ import polars as pl
 import pytest
 
 from common.errors import UserError
-from conftest import ROOT, run_cli, same_numbers, same_rows, views
+from conftest import ROOT, fork_popen, fork_run, run_cli, same_numbers, same_rows, views
 
 BUCKET = "iso-warehouse"
 
@@ -80,9 +80,9 @@ def keys(s3, prefix: str) -> list[str]:
 
 
 def cli_proc(args, env_extra, timeout=300):
-    """cli.py in its own process (exit code and stderr as a user sees them)."""
+    """cli.py in its own process (exit code and stderr as a user sees them), forked from the fork server."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **env_extra}
-    return subprocess.Popen([sys.executable, str(ROOT / "cli.py"), *map(str, args)], stdout=subprocess.PIPE,
+    return fork_popen([sys.executable, str(ROOT / "cli.py"), *map(str, args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
@@ -367,7 +367,7 @@ def test_s3_lease_checksums_and_quarantine(s3env, tmp_path):
                       Body=json.dumps({"run_id": "20260101T000000-0badcafe", "host": store.HOST, "pid": os.getpid(),
                                        "heartbeat": time.time()}).encode())
     env = {**os.environ, **s3env["env"], "ISO_FAULT": "move:1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "cli.py"), "validate", "--warehouse", url, "--fix", "--grace", "0"],
+    proc = fork_run([sys.executable, str(ROOT / "cli.py"), "validate", "--warehouse", url, "--fix", "--grace", "0"],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]  # copied into the quarantine, original not yet deleted
     ks = keys(s3env, "repair")

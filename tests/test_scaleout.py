@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from common.errors import UserError
-from conftest import ROOT, run_cli, same_numbers, same_rows, views
+from conftest import ROOT, fork_popen, fork_ranks, run_cli, same_numbers, same_rows, views
 from extract.launch import Launch, detect, device_for
 
 def test_detect_shard_from_the_environment():
@@ -35,8 +35,12 @@ def test_detect_shard_from_the_environment():
         detect(None, {"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
 
 
-def torchrun(args, wh, env_extra=None, timeout=600, nproc=2):
+def torchrun(args, wh, env_extra=None, timeout=600, nproc=2, real=False):
+    """`torchrun --standalone --nproc_per_node NPROC cli.py extract ARGS`: the real launcher (`real`), or its
+    ranks forked from the tests' fork server with the variables torchrun sets (tests/zygote.py)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    if not real:
+        return fork_ranks([ROOT / "cli.py", "extract", *args, "--warehouse", wh], nproc, env, ROOT, timeout)
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                            str(ROOT / "cli.py"), "extract", *args, "--warehouse", str(wh)],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -55,7 +59,7 @@ def test_torchrun_two_cpu_ranks_equal_one_process(single, workdir):
     labelled 1-of-1: the same partials as one process, every view equal (float32-stored vectors of
     float64 sums added in another order: at most one float32 ulp apart)."""
     wh = workdir / "scale-torchrun"
-    proc = torchrun(single["args"], wh)
+    proc = torchrun(single["args"], wh, real=True)  # torchrun itself (where others fork its ranks)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[rank 0 of 2]" in proc.stderr and "[rank 1 of 2]" in proc.stderr
     got = views(wh)
@@ -129,7 +133,8 @@ def test_torchrun_reduce_equals_one_process_exactly(workdir, reduce_one, nproc):
 
 def test_torchrun_rank_killed_then_rerun_counts_once(single, workdir):
     wh = workdir / "scale-torchrun-kill"
-    proc = torchrun(single["args"], wh, {"ISO_FAULT": "reduce:2", "ISO_FAULT_RANK": "1"})  # rank 1 dies before beta's reduce
+    # rank 1 dies before beta's reduce; torchrun itself stops rank 0 (SIGTERM) before it could clean up
+    proc = torchrun(single["args"], wh, {"ISO_FAULT": "reduce:2", "ISO_FAULT_RANK": "1"}, real=True)
     assert proc.returncode != 0
     assert not (wh / "manifest.json").exists() or partials(wh) == []  # nothing committed
     proc = torchrun(single["args"], wh)  # the same command again
@@ -143,14 +148,14 @@ def test_torchrun_rank_killed_then_rerun_counts_once(single, workdir):
     assert run_cli("validate", "--warehouse", wh)[0] == 0
 
 
-def test_slurm_array_script_sweeps_and_resumes(workdir, sources, model_factory):
+def test_slurm_array_script_sweeps_and_resumes(workdir, sources, model_factory, python_shim):
     root = workdir / "models" / "slurm"
     for step in ("step0", "step5"):
         shutil.copytree(model_factory("gpt_neox", tied=True), root / step)
     wh = workdir / "scale-slurm"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MODEL": str(root), "WAREHOUSE": str(wh),
            "CHECKPOINTS": "step0 step5", "SOURCES": f"alpha={sources['alpha']} beta={sources['beta']}",
-           "SHARDS": "1", "PYTHON": sys.executable, "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "4"}
+           "SHARDS": "1", "PYTHON": str(python_shim), "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "4"}
     script = ROOT / "scripts" / "slurm" / "sweep.sbatch"
 
     def array(tasks):  # the array's tasks, all at once as Slurm starts them: {task: (exit code, stderr)}
@@ -186,9 +191,8 @@ def test_slurm_array_environment_picks_the_shard(single, workdir):
     for task in (1, 2):  # the two tasks of one array, at the same time
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "SLURM_ARRAY_TASK_ID": str(task),
                "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_MIN": "1"}
-        procs[task] = subprocess.Popen([sys.executable, str(ROOT / "cli.py"), "extract", *single["args"],
-                                        "--warehouse", str(wh)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True, env=env, cwd=ROOT)
+        procs[task] = fork_popen([sys.executable, str(ROOT / "cli.py"), "extract", *single["args"], "--warehouse",
+                                  str(wh)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     for task, p in procs.items():
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
@@ -209,7 +213,7 @@ def test_batching_by_tokens_gives_the_same_numbers(single, workdir, batching):
     same_numbers(views(wh), single["views"])
 
 
-def test_sweep_file_equals_the_runs_by_hand(workdir, sources, model_factory):
+def test_sweep_file_equals_the_runs_by_hand(workdir, sources, model_factory, python_shim):
     """A TOML sweep (2 models, one with 2 checkpoints, 2 sources one of them split, 2 shards = 12 units):
     its plan, a Slurm array run in part (3 tasks), the plan again, the rest run by `sweep` itself,
     and the warehouse equal to the 12 `cli.py extract` commands it prints, run by hand."""
@@ -237,7 +241,7 @@ count-special-tokens = false
 [slurm]
 sbatch = ["--time=1:00:00"]
 parallel = 2
-python = "{sys.executable}"
+python = "{python_shim}"
 '''
     config.write_text(text)
 

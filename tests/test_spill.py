@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, fork_run, run_cli
 from extract.accumulate.spill import remove_orphans
 from extract.accumulate.sums import TokenSums
 from extract.accumulate.tables import SlotTable
@@ -203,7 +203,7 @@ def test_kill_9_during_a_spill_leaves_nothing(workdir, sources, model_factory, t
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "ISO_FAULT": "spill:2"}
     killed = workdir / "spill-killed"
-    proc = subprocess.run([sys.executable, str(ROOT / "cli.py"), *args(killed, "--memory-budget", "80KB",
+    proc = fork_run([sys.executable, str(ROOT / "cli.py"), *args(killed, "--memory-budget", "80KB",
                                                                        "--spill-dir", str(spill_dir))],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == -9, proc.stderr[-2000:]

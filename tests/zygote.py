@@ -1,0 +1,615 @@
+"""A fork server for the tests' command-line children: `python cli.py …` without the 5–8 s of imports.
+
+A test that is about processes (kill -9 at a fault point, Ctrl-C, racing writers, Slurm array tasks,
+torchrun ranks) needs the CLI in a process of its own, and a fresh interpreter pays torch's and
+transformers' imports every time.  This module is that interpreter, started once per pytest process:
+it imports the command line, torch, transformers and the warehouse, never runs a torch op (no thread
+pool exists to break across a fork), freezes the imported objects out of the garbage collector's way,
+and then forks one child per request.  The child takes the caller's argv, environment, working
+directory and stdin/stdout/stderr (file descriptors passed over a Unix socket), runs the script or
+module as `python SCRIPT ARGS` / `python -m MODULE ARGS` would, and exits as a fresh interpreter
+exits (non-daemon threads joined, atexit handlers run, an uncaught Ctrl-C ends it by SIGINT).  Its
+pid is a real process: the caller may signal it; its exit status comes back on the connection.
+
+Clients: `Popen` / `run` below (subprocess-like, used by the tests through conftest.py) and the
+`python` stand-in written by `write_python_shim` (for scripts that run `$PYTHON cli.py …`: the Slurm
+array scripts).  A command the server cannot run the same way (another interpreter option, an
+environment variable that only takes effect at import) falls back to a real `subprocess`.
+
+Run as `python tests/zygote.py SOCKET`: it prints `ready` on stdout once it listens, and ends
+(killing its children) when its stdin closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV_SOCKET = "ISO_TEST_ZYGOTE"  # where a client finds the server (set in the pytest process's environment)
+# Read by a library when it is imported, so a child cannot change them: a request that sets one of them
+# to another value than the server's runs in a real interpreter instead.
+IMPORT_TIME = ("ISOTROPY_WAREHOUSE", "HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_OFFLINE",
+               "TRANSFORMERS_CACHE", "HF_DATASETS_OFFLINE", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONWARNINGS",
+               "PYTHONDONTWRITEBYTECODE", "CUDA_VISIBLE_DEVICES", "MKL_NUM_THREADS", "PYTORCH_ENABLE_MPS_FALLBACK",
+               "ISO_TEST_NO_ZYGOTE")
+PRELOAD = ("cli", "isotropy_warehouse.cli", "isotropy_warehouse.extract_options", "extract.run", "extract.run.driver",
+           "extract.options", "extract.launch", "extract.reduce", "extract.sweep", "extract.models", "extract.sources",
+           "extract.api", "warehouse.query", "warehouse.merge", "warehouse.validate", "warehouse.pull",
+           "warehouse.storage.s3", "torch.distributed", "torch.distributed.distributed_c10d",
+           "transformers", "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+           "transformers.models.gpt_neox.modeling_gpt_neox", "transformers.models.llama.modeling_llama",
+           "transformers.tokenization_utils_fast", "safetensors.torch", "tokenizers", "pyarrow.parquet",
+           "pyarrow.dataset", "duckdb", "boto3", "botocore.session", "botocore.client", "zstandard")
+
+# Threads the imports start that survive a fork by design: jemalloc's background purger (pyarrow's bundled
+# jemalloc; its pthread_atfork handlers reset it in the child) and pyarrow's thread pool (re-created
+# after a fork).  Anything more means a library this server should not preload.
+FORK_SAFE_THREADS = ("jemalloc_bg_thd",)
+
+
+# ---------------------------------------------------------------- the server
+
+
+def preload(quiet: bool = False) -> None:
+    """Import PRELOAD, then freeze every object so far out of the garbage collector's generations: a
+    gc.collect() (each extract calls a few) then walks only what was made since, and a forked child
+    leaves the imported objects' pages shared."""
+    import gc
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # a module this checkout lacks: imported when used (slower, still right)
+            if not quiet:
+                print(f"zygote: preload {name}: {type(e).__name__}: {e}", file=sys.stderr)
+    gc.collect()
+    gc.freeze()
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """A request: 4-byte length with the three descriptors attached, then that many bytes of JSON."""
+    head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+    if len(head) < 4:
+        head += _recv_exact(conn, 4 - len(head))
+    (n,) = struct.unpack("!I", head)
+    return json.loads(_recv_exact(conn, n)), list(fds)
+
+
+def serve(path: str) -> None:
+    preload()
+    threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    others = [t for t in threads[1:] if t not in FORK_SAFE_THREADS]
+    import threading
+
+    if threading.active_count() > 1 or len(others) > 1:  # pyarrow's one pool thread, no other
+        # a Python thread, or a native one of a library not known here, could hold a lock forever in a child
+        print(f"zygote: threads after the imports {threads}; forking is not safe", file=sys.stderr)
+        sys.exit(3)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    by_pid: dict[int, socket.socket] = {}
+    by_conn: dict[socket.socket, int] = {}
+    print("ready", flush=True)
+    stdin = sys.stdin.fileno()
+    while True:
+        try:
+            ready, _, _ = select.select([listener, wake_r, stdin, *by_conn], [], [])
+        except InterruptedError:
+            continue
+        if stdin in ready and not os.read(stdin, 4096):  # the pytest process is gone: so are we
+            for pid in by_pid:
+                _kill(pid)
+            return
+        if wake_r in ready:
+            try:
+                while os.read(wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        while True:  # reap every child that ended; tell its client how
+            try:
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = by_pid.pop(pid, None)
+            if conn is not None:
+                by_conn.pop(conn, None)
+                try:
+                    conn.sendall(f"exit {os.waitstatus_to_exitcode(status)} "
+                                 f"{usage.ru_utime + usage.ru_stime:.3f}\n".encode())
+                except OSError:
+                    pass
+                conn.close()
+        for conn in [c for c in ready if c in by_conn]:  # a client hung up before its child ended
+            try:
+                gone = not conn.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
+            except BlockingIOError:
+                gone = False
+            except OSError:
+                gone = True
+            if gone:
+                _kill(by_conn.pop(conn))
+                conn.close()
+        if listener in ready:
+            conn, _ = listener.accept()
+            try:
+                request, fds = _read_request(conn)
+            except (EOFError, OSError, ValueError):
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _child(request, fds, close=[listener.fileno(), wake_r, wake_w, conn.fileno(),
+                                            *(c.fileno() for c in by_conn)])
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(f"pid {pid}\n".encode())
+            by_pid[pid] = conn
+            by_conn[conn] = pid
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _child(request: dict, fds: list[int], close: list[int]) -> None:
+    """In the forked child: become `python ARGV…` in the caller's environment, run it, exit as it would."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd in close:  # the listener, the clients' connections
+            os.close(fd)
+        for i, fd in enumerate(fds):
+            os.dup2(fd, i)
+        for fd in set(fds) - {0, 1, 2}:
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        _fresh_state(request["env"])
+        argv = request["argv"]
+        import io
+
+        sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+        sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                                                       line_buffering=os.isatty(1), write_through=False)
+        sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                                       errors="backslashreplace", line_buffering=True)
+        code = _run(argv)
+    except BaseException:  # the server's own code failed in the child: say so
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    os._exit(code)
+
+
+def _fresh_state(env: dict) -> None:
+    """What a fresh interpreter would have that the imports in the server fixed: the thread count from
+    OMP_NUM_THREADS, unseeded global random generators, this pid where a module recorded its pid."""
+    import torch
+
+    n = env.get("OMP_NUM_THREADS")
+    if n and n.isdigit() and int(n) > 0:
+        torch.set_num_threads(int(n))
+    import numpy as np
+
+    np.random.seed()
+    try:  # a process's leases (released at its exit) and its commit records' writer name its own pid
+        from warehouse.store import leases, log
+
+        leases._OWNER = os.getpid()
+        log._WRITER = {**log._WRITER, "pid": os.getpid()}
+    except (ImportError, AttributeError):
+        pass
+
+
+def _run(argv: list[str]) -> int:
+    """Run `python ARGV` in this process; its exit code (an uncaught Ctrl-C: this process ends by SIGINT)."""
+    import atexit
+    import runpy
+    import threading
+
+    interrupted = False
+    try:
+        sys.argv = list(argv)
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = os.getcwd()  # where the server's script directory was
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = str(Path(argv[0]).resolve().parent)
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except KeyboardInterrupt:
+        import traceback
+
+        traceback.print_exc()
+        code, interrupted = 130, True
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    try:
+        threading._shutdown()  # as at interpreter exit: wait for non-daemon threads
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+    if interrupted:  # as CPython does: end by the signal, so the parent sees -SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+
+def _exit_code(value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    try:
+        print(value, file=sys.stderr)
+    except Exception:
+        pass
+    return 1
+
+
+# ---------------------------------------------------------------- clients
+
+
+class Server:
+    """The fork server of this pytest process, started at the first request (once)."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+        self.path: str | None = None
+        self.failed: str | None = None
+
+    def ensure(self) -> str | None:
+        """The server's socket path (starting it if needed), or None where it cannot run."""
+        if self.path or self.failed:
+            return self.path
+        if os.environ.get("ISO_TEST_NO_ZYGOTE"):
+            self.failed = "ISO_TEST_NO_ZYGOTE is set"
+            return None
+        tmp = tempfile.mkdtemp(prefix="iso-zygote-")
+        path = os.path.join(tmp, "s")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+        log = open(os.path.join(tmp, "log"), "w")
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), path], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=log, env=env, cwd=ROOT)
+        line = self.proc.stdout.readline()
+        if line.strip() != b"ready":
+            self.proc.kill()
+            self.failed = f"fork server did not start: {open(log.name).read()[-2000:]}"
+            raise RuntimeError(self.failed)
+        self.path = path
+        os.environ[ENV_SOCKET] = path  # for the `python` stand-in in grandchildren (Slurm scripts)
+        return path
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        os.environ.pop(ENV_SOCKET, None)
+
+
+SERVER = Server()
+CHILD_CPU = [0.0]  # CPU seconds of the forked children that ended (for measuring the tests' cost)
+
+
+def _resolve_argv(cmd) -> list[str] | None:
+    """`[python, SCRIPT|-m MODULE, ARGS…]` → the argv the child runs (its argv[0] the script), else None."""
+    cmd = [os.fspath(c) for c in cmd]
+    if len(cmd) < 2 or os.path.realpath(cmd[0]) != os.path.realpath(sys.executable):
+        return None
+    rest = cmd[1:]
+    if rest[0] == "-u":
+        rest = rest[1:]
+    if not rest:
+        return None
+    if rest[0] == "-m":
+        return rest if len(rest) >= 2 else None
+    if rest[0].startswith("-") or not rest[0].endswith(".py"):
+        return None
+    return rest
+
+
+def forkable(argv: list[str] | None, env: dict) -> bool:
+    if argv is None:
+        return False
+    return all(env.get(k) == os.environ.get(k) for k in IMPORT_TIME if k != "PYTHONPATH") and \
+        all(p in sys.path or p == "" for p in env.get("PYTHONPATH", "").split(os.pathsep))
+
+
+def _connect(path: str, argv: list[str], env: dict, cwd: str, fds: list[int]) -> tuple[socket.socket, int]:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    body = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+    socket.send_fds(conn, [struct.pack("!I", len(body))], fds)
+    conn.sendall(body)
+    reply = b""
+    while not reply.endswith(b"\n"):
+        chunk = conn.recv(64)
+        if not chunk:
+            raise RuntimeError("the fork server closed the connection")
+        reply += chunk
+    kind, value = reply.decode().split()
+    assert kind == "pid", reply
+    return conn, int(value)
+
+
+class Popen:
+    """`subprocess.Popen` for `[sys.executable, SCRIPT|-m MODULE, ARGS…]`, forked from the server: the
+    same arguments (stdin/stdout/stderr: None, PIPE, DEVNULL, a file or a descriptor; text; env; cwd),
+    the same pid, poll/wait/communicate/send_signal/terminate/kill and returncode (-N: killed by
+    signal N).  Output asked for with PIPE goes through temporary files, read by communicate().
+    Anything else runs in a real interpreter (`self.forked` False)."""
+
+    def __init__(self, cmd, stdin=None, stdout=None, stderr=None, text=False, env=None, cwd=None,
+                 universal_newlines=None, **kw):
+        env = dict(os.environ if env is None else env)
+        argv = _resolve_argv(cmd)
+        text = bool(text or universal_newlines)
+        self.args, self.text, self.returncode = cmd, text, None
+        self._conn = None
+        path = SERVER.ensure() if forkable(argv, env) and not kw else None
+        self.forked = path is not None
+        if not self.forked:
+            self._proc = subprocess.Popen(cmd, stdin=stdin, stdout=stdout, stderr=stderr, text=text, env=env,
+                                          cwd=cwd, **kw)
+            self.pid = self._proc.pid
+            self.stdout, self.stderr = self._proc.stdout, self._proc.stderr
+            return
+        self._files, opened = {}, []
+
+        def fd_for(spec, name, mode):
+            if spec is None:
+                return name  # inherit this process's
+            if spec == subprocess.PIPE:
+                f = tempfile.TemporaryFile(mode="w+b")
+                self._files[name] = f
+                opened.append(f)
+                return f.fileno()
+            if spec == subprocess.DEVNULL:
+                f = open(os.devnull, mode)
+                opened.append(f)
+                return f.fileno()
+            if spec == subprocess.STDOUT:
+                return "stdout"
+            return spec if isinstance(spec, int) else spec.fileno()
+
+        fds = [fd_for(stdin, 0, "rb"), fd_for(stdout, 1, "wb"), fd_for(stderr, 2, "wb")]
+        if fds[2] == "stdout":
+            fds[2] = fds[1]
+        self._conn, self.pid = _connect(path, argv, env, os.fspath(cwd or os.getcwd()), fds)
+        for f in opened:
+            if f not in self._files.values():
+                f.close()
+        self.stdout = self.stderr = None
+
+    # -------------------------------------------------------- subprocess.Popen's interface
+
+    def poll(self):
+        if not self.forked:
+            self.returncode = self._proc.poll()
+            return self.returncode
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._finish()
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if not self.forked:
+            self.returncode = self._proc.wait(timeout)
+            return self.returncode
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._finish()
+        return self.returncode
+
+    def _finish(self) -> None:
+        data = b""
+        while True:
+            chunk = self._conn.recv(64)
+            if not chunk:
+                break
+            data += chunk
+        self._conn.close()
+        words = data.decode().split()
+        if len(words) != 3 or words[0] != "exit":
+            raise RuntimeError(f"the fork server lost child {self.pid}: {data!r}")
+        self.returncode = int(words[1])
+        CHILD_CPU[0] += float(words[2])
+
+    def communicate(self, input=None, timeout=None):
+        if not self.forked:
+            out = self._proc.communicate(input, timeout)
+            self.returncode = self._proc.returncode
+            return out
+        assert input is None, "input is not supported for a forked child"
+        self.wait(timeout)
+        return self._read(1), self._read(2)
+
+    def _read(self, name):
+        f = self._files.pop(name, None)
+        if f is None:
+            return None
+        f.seek(0)
+        data = f.read()
+        f.close()
+        return data.decode("utf-8", "replace") if self.text else data
+
+    def send_signal(self, sig):
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.returncode is None:
+            self.kill()
+            self.wait()
+        for f in self._files.values() if self.forked else ():
+            f.close()
+
+
+def run(cmd, capture_output=False, timeout=None, check=False, stdout=None, stderr=None, **kw):
+    """`subprocess.run` through `Popen` above."""
+    if capture_output:
+        stdout = stderr = subprocess.PIPE
+    p = Popen(cmd, stdout=stdout, stderr=stderr, **kw)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    result = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    if check:
+        result.check_returncode()
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(script_args, nproc: int, env: dict | None = None, cwd=None, timeout: float = 600):
+    """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS…` on one host, its ranks forked from the
+    server: each gets the variables torchrun's agent sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT,
+    OMP_NUM_THREADS=1 unless set, …) and rank 0 hosts the rendezvous store (env:// init); when a rank
+    fails the others are stopped (SIGTERM, then SIGKILL), as the agent stops them.  A CompletedProcess:
+    exit code 0, or 1 when a rank failed (torchrun's); stdout and stderr the ranks' in rank order."""
+    base = dict(os.environ if env is None else env)
+    base.setdefault("OMP_NUM_THREADS", "1")
+    port = _free_port()
+    procs = []
+    for rank in range(nproc):
+        e = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+             "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc),
+             "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+             "TORCHELASTIC_RUN_ID": "none"}
+        procs.append(Popen([sys.executable, *map(str, script_args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=e, cwd=cwd))
+    deadline, kill_at = time.monotonic() + timeout, None
+    while any(p.poll() is None for p in procs):
+        if kill_at is None and any(p.returncode not in (None, 0) for p in procs):
+            for p in procs:
+                p.terminate()
+            kill_at = time.monotonic() + 30
+        if time.monotonic() > min(deadline, kill_at or deadline):
+            for p in procs:
+                p.kill()
+            if time.monotonic() > deadline:
+                for p in procs:
+                    p.wait()
+                raise subprocess.TimeoutExpired(script_args, timeout)
+        time.sleep(0.05)
+    outs = [p.communicate() for p in procs]
+    code = 0 if all(p.returncode == 0 for p in procs) else 1
+    return subprocess.CompletedProcess(script_args, code, "".join(o for o, _ in outs), "".join(e for _, e in outs))
+
+
+SHIM = '''#!{python} -S
+"""`python` for scripts the tests start (Slurm array tasks): `python SCRIPT ARGS` and `python -m MODULE
+ARGS` are forked from the tests' fork server (tests/zygote.py) when one is running; anything else, and
+everything outside the tests, execs the real interpreter."""
+import json, os, signal, socket, struct, sys
+REAL = {python!r}
+args = sys.argv[1:]
+path = os.environ.get({env!r})
+ok = args and (args[0] == "-m" and len(args) > 1 or not args[0].startswith("-") and args[0].endswith(".py"))
+if not path or not ok:
+    os.execv(REAL, [REAL, *args])
+try:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+except OSError:
+    os.execv(REAL, [REAL, *args])
+body = json.dumps({{"argv": args, "env": dict(os.environ), "cwd": os.getcwd()}}).encode()
+socket.send_fds(conn, [struct.pack("!I", len(body))], [0, 1, 2])
+conn.sendall(body)
+f = conn.makefile("rb")
+kind, pid = f.readline().split()
+pid = int(pid)
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, lambda s, _: os.kill(pid, s))
+words = f.readline().split()
+code = int(words[1]) if len(words) == 3 else 1
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+'''
+
+
+def write_python_shim(directory: Path) -> Path:
+    """A `python` executable in `directory` that forks from the server (see SHIM)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "python"
+    path.write_text(SHIM.format(python=sys.executable, env=ENV_SOCKET))
+    path.chmod(0o755)
+    return path
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
