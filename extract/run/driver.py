@@ -157,7 +157,10 @@ def _write_and_commit(run: _Run, loaded: Loaded, checkpoint: str, manifest: dict
             _record(run, loaded, source, [(sub, result) for sub, result, _ in parts], prov, work)
         t = time.perf_counter()
         if work.entries:  # nothing when the parameter tables were kept and no source was left
-            merge.commit(root, work.entries, replace=settings.replace, fold=settings.fold)  # one record
+            with store.collect_after_record() as failed_after:  # a step after the record failed: it landed
+                merge.commit(root, work.entries, replace=settings.replace, fold=settings.fold)  # one record
+            if failed_after:
+                after_commit(root, f"{run.ref.name}@{checkpoint}", failed_after[0], run.log)
         spent["commit"] = time.perf_counter() - t
     except BaseException as exc:
         if not _keep_committed(run, checkpoint, work):
@@ -252,7 +255,10 @@ def _after_commit_steps(run: _Run, checkpoint: str, work: _Work) -> None:
     run.committed.append(f"{ref.name}@{checkpoint}")
     if run.compact and (reducer is None or reducer.writes) and any(e["kind"] == "data" for e in work.entries):
         t = time.perf_counter()
-        merge.compact(run.root, ref.name, checkpoint)
+        with store.collect_after_record() as failed_after:
+            merge.compact(run.root, ref.name, checkpoint)
+        if failed_after:
+            after_commit(run.root, f"{ref.name}@{checkpoint} (compacted)", failed_after[0], run.log)
         spent["compact"] = time.perf_counter() - t
     if reducer is None or reducer.writes:
         try:
@@ -276,6 +282,8 @@ def after_commit(root, what: str, exc: BaseException, log) -> None:
         generation = f"generation {store.read_state(root)[0]}"
     except Exception:  # noqa: BLE001 - the line is what matters
         generation = "its commit record"
+    if isinstance(exc, store.AfterRecord):  # the commit itself finished what it could and said what failed
+        generation, exc = f"generation {exc.generation}", OSError(exc.reason)
     if isinstance(exc, KeyboardInterrupt):
         raise Interrupted(f"interrupted after {what} was committed ({generation}); its data is in the warehouse "
                           "(views.sql, runs.parquet and manifest.json are rewritten by the next query)") from None
