@@ -60,13 +60,13 @@ import zygote  # noqa: E402
 # interface; see tests/zygote.py).  Use them instead of subprocess for the command line.
 fork_popen = zygote.Popen
 fork_run = zygote.run
-fork_ranks = zygote.run_ranks  # torchrun's ranks, forked
 
 
 @pytest.fixture(scope="session")
 def python_shim(workdir) -> Path:
-    """A `python` for scripts that start the command line themselves (Slurm array scripts: `$PYTHON cli.py …`):
-    `python SCRIPT …` forked from the fork server, anything else the real interpreter."""
+    """A `python` for launchers that start the command line themselves (Slurm array scripts: `$PYTHON cli.py …`;
+    torchrun: `--no-python SHIM cli.py …`): `python SCRIPT …` forked from the fork server, anything else
+    the real interpreter."""
     zygote.SERVER.ensure()
     return zygote.write_python_shim(workdir / "bin")
 
@@ -96,7 +96,7 @@ def pytest_runtest_protocol(item, nextitem):
 
     def now():
         me, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-        return (time.perf_counter(), me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime, zygote.CHILD_CPU[0])
+        return (time.perf_counter(), me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime, zygote.SERVER.cpu())
 
     _CALLS.clear()
     start = now()

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from common.errors import UserError
-from conftest import ROOT, fork_popen, fork_ranks, run_cli, same_numbers, same_rows, views
+from conftest import ROOT, fork_popen, fork_run, run_cli, same_numbers, same_rows, views
 from extract.launch import Launch, detect, device_for
 
 def test_detect_shard_from_the_environment():
@@ -35,15 +35,14 @@ def test_detect_shard_from_the_environment():
         detect(None, {"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
 
 
-def torchrun(args, wh, env_extra=None, timeout=600, nproc=2, real=False):
-    """`torchrun --standalone --nproc_per_node NPROC cli.py extract ARGS`: the real launcher (`real`), or its
-    ranks forked from the tests' fork server with the variables torchrun sets (tests/zygote.py)."""
+def torchrun(args, wh, shim, env_extra=None, timeout=600, nproc=2):
+    """`torchrun --standalone --nproc_per_node NPROC cli.py extract ARGS`: the real launcher (its rendezvous,
+    the variables it sets, its stopping the other ranks when one fails), forked from the tests' fork server,
+    and its ranks forked too through the `python` stand-in (`--no-python SHIM cli.py …`; tests/zygote.py)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    if not real:
-        return fork_ranks([ROOT / "cli.py", "extract", *args, "--warehouse", wh], nproc, env, ROOT, timeout)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                           str(ROOT / "cli.py"), "extract", *args, "--warehouse", str(wh)],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return fork_run([sys.executable, "-m", "torch.distributed.run", "--no-python", "--standalone", "--nproc_per_node",
+                     str(nproc), str(shim), str(ROOT / "cli.py"), "extract", *map(str, args), "--warehouse", str(wh)],
+                    capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
 def partials(wh) -> list[str]:
@@ -54,12 +53,12 @@ def partials(wh) -> list[str]:
     return sorted(k for k, e in entries.items() if e["kind"] == "data")
 
 
-def test_torchrun_two_cpu_ranks_equal_one_process(single, workdir):
+def test_torchrun_two_cpu_ranks_equal_one_process(single, workdir, python_shim):
     """The ranks reduce their sums (gloo) and rank 0 commits one partial per (checkpoint, source),
     labelled 1-of-1: the same partials as one process, every view equal (float32-stored vectors of
     float64 sums added in another order: at most one float32 ulp apart)."""
     wh = workdir / "scale-torchrun"
-    proc = torchrun(single["args"], wh, real=True)  # torchrun itself (where others fork its ranks)
+    proc = torchrun(single["args"], wh, python_shim)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[rank 0 of 2]" in proc.stderr and "[rank 1 of 2]" in proc.stderr
     got = views(wh)
@@ -102,7 +101,7 @@ def reduce_one(workdir, reduce_sources, model_factory):
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
-def test_torchrun_reduce_equals_one_process_exactly(workdir, reduce_one, nproc):
+def test_torchrun_reduce_equals_one_process_exactly(workdir, reduce_one, nproc, python_shim):
     """Every accumulator reduced — token sums (ranks see different token types), layer sums, moments
     and cross moments, per-window measures and massive activations, the bottom-k sample — and a
     split value only one rank met: every view equals one process to 1e-12 (n exact), one partial
@@ -110,7 +109,7 @@ def test_torchrun_reduce_equals_one_process_exactly(workdir, reduce_one, nproc):
     runs, one = reduce_one
     many = workdir / f"reduce-many-{nproc}"
     for a in runs:
-        proc = torchrun(a, many, nproc=nproc)
+        proc = torchrun(a, many, python_shim, nproc=nproc)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert partials(many) == partials(one)
     assert {s for _, s, _ in views(many)["shards"]} == {"alpha", "pile.A", "pile.B", "pile.Rare"}
@@ -131,13 +130,19 @@ def test_torchrun_reduce_equals_one_process_exactly(workdir, reduce_one, nproc):
     same_rows(a.execute(q).fetchall(), b.execute(q).fetchall(), "samples vec", 1e-12)
 
 
-def test_torchrun_rank_killed_then_rerun_counts_once(single, workdir):
+def test_torchrun_rank_killed_then_rerun_counts_once(single, workdir, python_shim):
+    """A rank killed (torchrun stops the other): nothing committed.  Both ranks killed at the same point
+    (the job preempted): nothing committed, rank 0's parameter tables left behind, never visible, found
+    by validate and moved by --fix; the same command again counts every token once."""
     wh = workdir / "scale-torchrun-kill"
-    # rank 1 dies before beta's reduce; torchrun itself stops rank 0 (SIGTERM) before it could clean up
-    proc = torchrun(single["args"], wh, {"ISO_FAULT": "reduce:2", "ISO_FAULT_RANK": "1"}, real=True)
-    assert proc.returncode != 0
+    # rank 1 dies before beta's reduce; torchrun stops rank 0 (SIGTERM), or rank 0 fails at the lost peer
+    proc = torchrun(single["args"], wh, python_shim, {"ISO_FAULT": "reduce:2", "ISO_FAULT_RANK": "1"})
+    assert proc.returncode != 0 and "exitcode  : -9" in proc.stderr, proc.stderr[-3000:]
     assert not (wh / "manifest.json").exists() or partials(wh) == []  # nothing committed
-    proc = torchrun(single["args"], wh)  # the same command again
+    proc = torchrun(single["args"], wh, python_shim, {"ISO_FAULT": "reduce:2"})  # both die before beta's reduce
+    assert proc.returncode != 0
+    assert not (wh / "manifest.json").exists() or partials(wh) == []
+    proc = torchrun(single["args"], wh, python_shim)  # the same command again
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = views(wh)
     assert got["shards"] == [("main", s, "1-of-1") for s in ("alpha", "beta")]

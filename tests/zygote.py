@@ -1,7 +1,7 @@
 """A fork server for the tests' command-line children: `python cli.py …` without the 5–8 s of imports.
 
 A test that is about processes (kill -9 at a fault point, Ctrl-C, racing writers, Slurm array tasks,
-torchrun ranks) needs the CLI in a process of its own, and a fresh interpreter pays torch's and
+torchrun and its ranks) needs the CLI in a process of its own, and a fresh interpreter pays torch's and
 transformers' imports every time.  This module is that interpreter, started once per pytest process:
 it imports the command line, torch, transformers and the warehouse, never runs a torch op (no thread
 pool exists to break across a fork), freezes the imported objects out of the garbage collector's way,
@@ -12,9 +12,10 @@ exits (non-daemon threads joined, atexit handlers run, an uncaught Ctrl-C ends i
 pid is a real process: the caller may signal it; its exit status comes back on the connection.
 
 Clients: `Popen` / `run` below (subprocess-like, used by the tests through conftest.py) and the
-`python` stand-in written by `write_python_shim` (for scripts that run `$PYTHON cli.py …`: the Slurm
-array scripts).  A command the server cannot run the same way (another interpreter option, an
-environment variable that only takes effect at import) falls back to a real `subprocess`.
+`python` stand-in written by `write_python_shim` (for launchers that start `python cli.py …`
+themselves: the Slurm array scripts, torchrun with `--no-python`).  A command the server cannot run
+the same way (another interpreter option, an environment variable that only takes effect at import)
+falls back to a real `subprocess`.
 
 Run as `python tests/zygote.py SOCKET`: it prints `ready` on stdout once it listens, and ends
 (killing its children) when its stdin closes.
@@ -31,7 +32,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,7 +221,8 @@ def _child(request: dict, fds: list[int], close: list[int]) -> None:
 
 def _fresh_state(env: dict) -> None:
     """What a fresh interpreter would have that the imports in the server fixed: the thread count from
-    OMP_NUM_THREADS, unseeded global random generators, this pid where a module recorded its pid."""
+    OMP_NUM_THREADS, unseeded global random generators.  (The warehouse reads the pid a lease or a commit
+    record names when it writes it, so a forked child is its own writer.)"""
     import torch
 
     n = env.get("OMP_NUM_THREADS")
@@ -230,13 +231,6 @@ def _fresh_state(env: dict) -> None:
     import numpy as np
 
     np.random.seed()
-    try:  # a process's leases (released at its exit) and its commit records' writer name its own pid
-        from warehouse.store import leases, log
-
-        leases._OWNER = os.getpid()
-        log._WRITER = {**log._WRITER, "pid": os.getpid()}
-    except (ImportError, AttributeError):
-        pass
 
 
 def _run(argv: list[str]) -> int:
@@ -329,6 +323,17 @@ class Server:
         os.environ[ENV_SOCKET] = path  # for the `python` stand-in in grandchildren (Slurm scripts)
         return path
 
+    def cpu(self) -> float:
+        """CPU seconds of the server and its children that ended (every forked child, however it was
+        started: Popen here, the `python` stand-in, torchrun's ranks)."""
+        if self.proc is None:
+            return 0.0
+        try:
+            fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.stdin.close()
@@ -340,7 +345,6 @@ class Server:
 
 
 SERVER = Server()
-CHILD_CPU = [0.0]  # CPU seconds of the forked children that ended (for measuring the tests' cost)
 
 
 def _resolve_argv(cmd) -> list[str] | None:
@@ -465,7 +469,6 @@ class Popen:
         if len(words) != 3 or words[0] != "exit":
             raise RuntimeError(f"the fork server lost child {self.pid}: {data!r}")
         self.returncode = int(words[1])
-        CHILD_CPU[0] += float(words[2])
 
     def communicate(self, input=None, timeout=None):
         if not self.forked:
@@ -526,49 +529,6 @@ def run(cmd, capture_output=False, timeout=None, check=False, stdout=None, stder
     return result
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(script_args, nproc: int, env: dict | None = None, cwd=None, timeout: float = 600):
-    """`torchrun --standalone --nproc_per_node NPROC SCRIPT ARGS…` on one host, its ranks forked from the
-    server: each gets the variables torchrun's agent sets (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT,
-    OMP_NUM_THREADS=1 unless set, …) and rank 0 hosts the rendezvous store (env:// init); when a rank
-    fails the others are stopped (SIGTERM, then SIGKILL), as the agent stops them.  A CompletedProcess:
-    exit code 0, or 1 when a rank failed (torchrun's); stdout and stderr the ranks' in rank order."""
-    base = dict(os.environ if env is None else env)
-    base.setdefault("OMP_NUM_THREADS", "1")
-    port = _free_port()
-    procs = []
-    for rank in range(nproc):
-        e = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-             "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc),
-             "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-             "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-             "TORCHELASTIC_RUN_ID": "none"}
-        procs.append(Popen([sys.executable, *map(str, script_args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, env=e, cwd=cwd))
-    deadline, kill_at = time.monotonic() + timeout, None
-    while any(p.poll() is None for p in procs):
-        if kill_at is None and any(p.returncode not in (None, 0) for p in procs):
-            for p in procs:
-                p.terminate()
-            kill_at = time.monotonic() + 30
-        if time.monotonic() > min(deadline, kill_at or deadline):
-            for p in procs:
-                p.kill()
-            if time.monotonic() > deadline:
-                for p in procs:
-                    p.wait()
-                raise subprocess.TimeoutExpired(script_args, timeout)
-        time.sleep(0.05)
-    outs = [p.communicate() for p in procs]
-    code = 0 if all(p.returncode == 0 for p in procs) else 1
-    return subprocess.CompletedProcess(script_args, code, "".join(o for o, _ in outs), "".join(e for _, e in outs))
-
-
 SHIM = '''#!{python} -S
 """`python` for scripts the tests start (Slurm array tasks): `python SCRIPT ARGS` and `python -m MODULE
 ARGS` are forked from the tests' fork server (tests/zygote.py) when one is running; anything else, and
@@ -595,8 +555,9 @@ for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(sig, lambda s, _: os.kill(pid, s))
 words = f.readline().split()
 code = int(words[1]) if len(words) == 3 else 1
-if code < 0:
-    signal.signal(-code, signal.SIG_DFL)
+if code < 0:  # end as the child ended: by its signal
+    if -code in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(-code, signal.SIG_DFL)
     os.kill(os.getpid(), -code)
 sys.exit(code)
 '''

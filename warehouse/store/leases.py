@@ -19,7 +19,8 @@ from ..storage import Storage
 from .liveness import HEARTBEAT_S, HOST, judge, own_identity
 from .paths import INFLIGHT_DIR, lease_rel
 
-_LEASES: dict[tuple[str, str], tuple[Storage, float]] = {}  # (warehouse, run_id) → (storage, started)
+# (warehouse, run_id) → (storage, started, pid of the process that created it)
+_LEASES: dict[tuple[str, str], tuple[Storage, float, int]] = {}
 _LEASE_LOCK = threading.Lock()
 _HEARTBEAT: list[threading.Thread] = []
 
@@ -38,7 +39,7 @@ def hold_lease(st: Storage, run_id: str) -> None:
         faults.hit("lease")
         started = time.time()
         st.replace(lease_rel(run_id), _lease_bytes(run_id, started))
-        _LEASES[key] = (st, started)
+        _LEASES[key] = (st, started, os.getpid())
         if not _HEARTBEAT or not _HEARTBEAT[0].is_alive():
             _HEARTBEAT[:] = [threading.Thread(target=_heartbeat, name="iso-lease-heartbeat", daemon=True)]
             _HEARTBEAT[0].start()
@@ -62,7 +63,7 @@ def _heartbeat() -> None:
         time.sleep(HEARTBEAT_S)
         with _LEASE_LOCK:
             held = list(_LEASES.items())
-        for (_, run_id), (st, started) in held:
+        for (_, run_id), (st, started, _) in held:
             try:
                 with _LEASE_LOCK:
                     if (st.path(""), run_id) in _LEASES:
@@ -71,15 +72,11 @@ def _heartbeat() -> None:
                 pass
 
 
-_OWNER = os.getpid()
-
-
 @atexit.register
 def _release_all() -> None:
-    if os.getpid() != _OWNER:  # a forked child does not own its parent's leases
-        return
-    for (url, run_id), (st, _) in list(_LEASES.items()):
-        release_leases(st, [run_id])
+    for (url, run_id), (st, _, owner) in list(_LEASES.items()):
+        if owner == os.getpid():  # a forked child does not own its parent's leases
+            release_leases(st, [run_id])
 
 
 def lease_state(info: dict, now: float | None = None) -> tuple[str, str]:

@@ -47,7 +47,6 @@ class DerivedAhead(UserError):
     """Companions written from a generation newer than the latest record, while every record and every
     file the log lists (or a merged table's partials, from which it is rebuilt) is present: derived
     files ahead of the log, which `validate --fix` rebuilds from it."""
-_WRITER = {"host": HOST, "pid": os.getpid()}
 
 
 def record_seqs(st: Storage) -> list[int]:
@@ -234,8 +233,8 @@ def publish(root, base_seq: int, manifest: Manifest, entries: list[Entry], remov
     _apply(new, list(entries), list(remove))
     live = {f for e in new["entries"].values() for f in e["files"].values()}
     seq = base_seq + 1
-    record = {"seq": seq, "nonce": secrets.token_hex(8), "time": _dt.datetime.now(_dt.timezone.utc).isoformat(), "writer": _WRITER,
-              "put": list(entries), "remove": list(remove)}
+    record = {"seq": seq, "nonce": secrets.token_hex(8), "time": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+              "writer": {"host": HOST, "pid": os.getpid()}, "put": list(entries), "remove": list(remove)}
     if seq == 1 or seq % SNAPSHOT_EVERY == 0:
         record["manifest"] = {**new, "generation": seq}
     record["digest"] = record_digest(record)  # a changed byte that still parses is a damaged record too
