@@ -60,6 +60,7 @@ import zygote  # noqa: E402
 # interface; see tests/zygote.py).  Use them instead of subprocess for the command line.
 fork_popen = zygote.Popen
 fork_run = zygote.run
+call_all = zygote.call_all  # functions in processes of their own (multiprocessing's Pool, forked)
 
 
 @pytest.fixture(scope="session")

@@ -5,14 +5,13 @@ a partial."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import call_all, run_cli
 from test_merge import _partial, _snapshot, check_against, oracle
 from test_reliability import run_subprocess
 from warehouse import merge, store
@@ -203,12 +202,8 @@ def test_racing_appends_and_folds_never_double_count(tmp_path):
     merge.commit(root, [_partial(root, np.random.default_rng(99), "s0", "1-of-3")])
     first = store.read_manifest(root)["entries"]
     jobs = [(str(root), f"s{i % 2 + 1}", f"{i // 2 + 1}-of-3", 200 + i) for i in range(6)]
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(4) as pool:
-        folds = [pool.apply_async(_fold_all, (str(root),)) for _ in range(2)]
-        entries = pool.map(_append_one, jobs)
-        for f in folds:
-            f.get(timeout=300)
+    # four processes at a time: the two folds first, then the appends
+    entries = call_all([(_fold_all, [str(root)])] * 2 + [(_append_one, [job]) for job in jobs], processes=4)[2:]
     merge.fold_pending(root)
     manifest = store.read_manifest(root)
     assert merge.pending(manifest) == {}

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from conftest import run_cli
+from conftest import call_all, run_cli
 from common.errors import UserError
 from test_merge import _partial, _snapshot, check_against, oracle
 from test_reliability import run_subprocess
@@ -470,8 +470,6 @@ def test_racing_folds_appends_folding_commits_and_compact_of_another_checkpoint(
     """Eight processes at once: appending and folding commits (one a re-run of a folded shard), two
     fold_pending and a compact of checkpoint c2: every partial of c counted once, c2 compacted with
     its views intact, nothing left unlisted."""
-    import multiprocessing as mp
-
     root = tmp_path / "wh"
     rng = np.random.default_rng(10)
     first = [_partial(root, rng, s, "1-of-3") for s in ("s0", "s1")]
@@ -480,8 +478,7 @@ def test_racing_folds_appends_folding_commits_and_compact_of_another_checkpoint(
     merge.commit(root, [c2[0]])
     merge.commit(root, [c2[1]], fold=False)
     jobs = [(op, str(root), 300 + i) for i, op in enumerate(["a0", "fold", "a1", "compact", "a2", "fold", "a3", "r0"])]
-    with mp.get_context("spawn").Pool(4) as pool:
-        results = pool.map(_worker, jobs)
+    results = call_all([(_worker, [job]) for job in jobs], processes=4)
     assert not [r for r in results if r[0] == "error"], results
     merge.fold_pending(root)
     manifest = store.read_manifest(root)

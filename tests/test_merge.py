@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.errors import UserError
-from conftest import ROOT, run_cli
+from conftest import ROOT, call_all, run_cli
 from warehouse import merge, store
 from warehouse.merge import commits, fold_tokens
 from warehouse.merge import fold as fold_module
@@ -415,12 +415,9 @@ def _commit_one(args):
 
 def test_concurrent_commits_without_a_lock(tmp_path):
     """Six processes commit six partials of one checkpoint at the same time: every one lands once."""
-    import multiprocessing as mp
-
     root = tmp_path / "wh"
     jobs = [(str(root), f"s{i % 3}", f"{i // 3 + 1}-of-2", 100 + i) for i in range(6)]
-    with mp.get_context("spawn").Pool(6) as pool:
-        entries = pool.map(_commit_one, jobs)
+    entries = call_all([(_commit_one, [job]) for job in jobs])  # six processes at once
     manifest = store.read_manifest(root)
     assert sum(e["kind"] == "data" for e in manifest["entries"].values()) == 6
     assert manifest["generation"] == 6  # one record per commit: retries never add records

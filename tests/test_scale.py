@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, call_all
 
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_scale import write_partial, write_vocab  # noqa: E402  (the extract writer, synthetic sums)
@@ -166,12 +166,10 @@ def test_reduce_by_token_ranges_equals_the_dense_sum(tmp_path, world):
     token types (ranks see different types), yielded in chunks of 3 rows and reduced by ranges of 7 ids
     (chunks and ranges misaligned); rank 0's rows equal the dense float64 sum over the ranks (ids
     ascending, zero-count types left out, n exact), and so do Σh, the moments' n and Σhhᵀ."""
-    import torch.multiprocessing as mp
-
     from bench_scale import SyntheticSums
 
     out = tmp_path / "reduced.npz"
-    mp.spawn(_reduce_worker, args=(world, str(tmp_path / "store"), str(out)), nprocs=world)
+    call_all([(_reduce_worker, [rank, world, str(tmp_path / "store"), str(out)]) for rank in range(world)])
     got = np.load(out)
     accs = [SyntheticSums(3, 50, 4, seed=r, types=0.5, moments=True) for r in range(world)]
     assert int(got["tokens"]) == sum(10 + r for r in range(world))

@@ -26,12 +26,14 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -529,6 +531,66 @@ def run(cmd, capture_output=False, timeout=None, check=False, stdout=None, stder
     return result
 
 
+def call_all(calls, processes: int | None = None, timeout: float = 600) -> list:
+    """`fn(*args)` for each `(fn, args)` of `calls`, each in a process of its own forked from the server
+    (`multiprocessing`'s Pool without a fresh interpreter's imports): at most `processes` at once (all
+    when None), started in the given order.  Their return values in that order; the first exception
+    raised in a child is raised here.  `fn` is pickled by name (a module-level function)."""
+    import pickle
+
+    tmp = Path(tempfile.mkdtemp(prefix="iso-call-"))
+    todo, running, done = list(enumerate(calls)), {}, {}
+    deadline = time.monotonic() + timeout
+    try:
+        while todo or running:
+            while todo and (processes is None or len(running) < processes):
+                i, (fn, args) = todo.pop(0)
+                (tmp / f"{i}.in").write_bytes(pickle.dumps((fn, tuple(args))))
+                running[i] = Popen([sys.executable, str(Path(__file__).resolve()), "--call", str(tmp / f"{i}.in"),
+                                    str(tmp / f"{i}.out")], stderr=subprocess.PIPE, cwd=ROOT)
+            for i, p in list(running.items()):
+                if p.poll() is not None:
+                    _, err = p.communicate()
+                    del running[i]
+                    out = tmp / f"{i}.out"
+                    if not out.exists():
+                        raise RuntimeError(f"call {i} ended with exit code {p.returncode} and no result:\n"
+                                           f"{(err or b'').decode(errors='replace')[-3000:]}")
+                    done[i] = pickle.loads(out.read_bytes())
+                    if done[i][0] == "raised":
+                        raise done[i][1]
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("call_all", timeout)
+            time.sleep(0.02)
+    finally:
+        for p in running.values():
+            p.kill()
+            p.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return [done[i][1] for i in range(len(calls))]
+
+
+def _call(src: str, dest: str) -> None:
+    """In a child of call_all: run the pickled call, pickle what it returned or raised."""
+    import pickle
+
+    fn, args = pickle.loads(Path(src).read_bytes())
+    try:
+        result = ("returned", fn(*args))
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        result = ("raised", e)
+    try:
+        data = pickle.dumps(result)
+    except Exception as e:  # an exception or a value that does not pickle: its text
+        data = pickle.dumps(("raised", RuntimeError(f"{result[0]} {result[1]!r}, which does not pickle: {e}")))
+    tmp = Path(dest + ".tmp")
+    tmp.write_bytes(data)
+    tmp.rename(dest)
+
+
 SHIM = '''#!{python} -S
 """`python` for scripts the tests start (Slurm array tasks): `python SCRIPT ARGS` and `python -m MODULE
 ARGS` are forked from the tests' fork server (tests/zygote.py) when one is running; anything else, and
@@ -573,4 +635,7 @@ def write_python_shim(directory: Path) -> Path:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    if sys.argv[1] == "--call":
+        _call(sys.argv[2], sys.argv[3])
+    else:
+        serve(sys.argv[1])
