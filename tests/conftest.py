@@ -63,6 +63,39 @@ fork_run = zygote.run
 call_all = zygote.call_all  # functions in processes of their own (multiprocessing's Pool, forked)
 
 
+# ---------------------------------------------------------------- the order the tests run in
+
+# The files that take longest, longest first (CPU seconds measured per file): under `-n 2` each file goes
+# whole to one worker (its module fixtures built once), and these start first, so that no worker is left
+# running a long file alone at the end.  The other files follow in their usual order.  Any order must
+# pass: a test never relies on another having run.
+LONGEST_FIRST = ("test_s3.py", "test_scaleout.py", "test_reliability.py", "test_families.py", "test_repair.py",
+                 "test_fold_adversarial.py", "test_identity.py", "test_report.py", "test_extract.py", "test_peers.py")
+
+
+def _file_rank(nodeid: str) -> int:
+    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: _file_rank(item.nodeid))  # stable: a file's tests keep their order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (xdist's default distribution, "load"): whole files to the workers, in the order above."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid.split("::", 1)[0]
+
+    config.option.loadscopereorder = False  # keep the order above (not: the files with most tests first)
+    return ByFile(config, log)
+
+
 @pytest.fixture(scope="session")
 def python_shim(workdir) -> Path:
     """A `python` for launchers that start the command line themselves (Slurm array scripts: `$PYTHON cli.py …`;
@@ -83,8 +116,8 @@ def pytest_sessionfinish(session):
     zygote.SERVER.stop()
 
 
-_CPU_LOG = os.environ.get("ISO_TEST_CPU_LOG")  # a file: each test's wall and CPU seconds (this process,
-# its waited children, the forked children) and its run_cli commands appended as TSV, for measuring the suite
+_CPU_LOG = os.environ.get("ISO_TEST_CPU_LOG")  # a file: each test's worker, wall and CPU seconds (this process,
+# its waited children, the fork server and its children) and its run_cli commands appended as TSV, for measuring the suite
 # on a loaded machine
 _CALLS: dict[str, int] = {}
 
@@ -105,7 +138,7 @@ def pytest_runtest_protocol(item, nextitem):
     end = now()
     calls = ",".join(f"{k}:{v}" for k, v in sorted(_CALLS.items()))
     with open(_CPU_LOG, "a") as f:
-        f.write(item.nodeid + "\t" + "\t".join(f"{b - a:.2f}" for a, b in zip(start, end)) + f"\t{calls}\n")
+        f.write(os.environ.get("PYTEST_XDIST_WORKER", "-") + "\t" + item.nodeid + "\t" + "\t".join(f"{b - a:.2f}" for a, b in zip(start, end)) + f"\t{calls}\n")
 
 
 @pytest.fixture(scope="session")
