@@ -82,18 +82,26 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: _file_rank(item.nodeid))  # stable: a file's tests keep their order
 
 
-def pytest_xdist_make_scheduler(config, log):
+class _ByFile:
     """`-n N` (xdist's default distribution, "load"): whole files to the workers, in the order above."""
-    if config.getvalue("dist") != "load":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
 
-    class ByFile(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return nodeid.split("::", 1)[0]
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getvalue("dist") != "load":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
 
-    config.option.loadscopereorder = False  # keep the order above (not: the files with most tests first)
-    return ByFile(config, log)
+        class ByFile(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return nodeid.split("::", 1)[0]
+
+        config.option.loadscopereorder = False  # keep the order above (not: the files with most tests first)
+        return ByFile(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):  # (its hook is unknown under -p no:xdist)
+        config.pluginmanager.register(_ByFile(), "iso-tests-by-file")
 
 
 @pytest.fixture(scope="session")

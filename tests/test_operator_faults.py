@@ -23,7 +23,7 @@ import duckdb
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, fork_run, run_cli
 from common import faults
 from common.errors import UserError
 from warehouse import merge, store
@@ -93,7 +93,8 @@ def unlisted(wh: Path) -> list[str]:
 
 
 def cli(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, str(ROOT / "cli.py"), *map(str, args)], capture_output=True, text=True,
+    """`python cli.py ARGS` in a process of its own (forked from the tests' fork server)."""
+    return fork_run([sys.executable, str(ROOT / "cli.py"), *map(str, args)], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, cwd=ROOT)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import fork_run, run_cli
 from common.progress import Lines, progress
 from tqdm import tqdm
 
@@ -37,10 +37,10 @@ def test_extract_writes_progress_lines_into_a_log_file(tmp_path, sources, model_
     log = tmp_path / "log"
     env = {**os.environ, "ISO_PROGRESS_INTERVAL": "0", "PYTHONPATH": str(ROOT)}
     with open(log, "w") as f:
-        done = subprocess.run([sys.executable, str(ROOT / "cli.py"), "extract", "--model", str(model_factory("gpt_neox")),
-                               "--source", f"alpha={sources['alpha']}", "--max-tokens", "300", "--max-length", "16",
-                               "--batch-size", "4", "--warehouse", str(tmp_path / "wh")],
-                              stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=tmp_path)
+        done = fork_run([sys.executable, str(ROOT / "cli.py"), "extract", "--model", str(model_factory("gpt_neox")),
+                         "--source", f"alpha={sources['alpha']}", "--max-tokens", "300", "--max-length", "16",
+                         "--batch-size", "4", "--warehouse", str(tmp_path / "wh")],
+                         stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=tmp_path)
     text = log.read_text()
     assert done.returncode == 0, text
     lines = re.findall(r"^\S+@main alpha: \d+/300 tok .*$", text, re.MULTILINE)
