@@ -360,7 +360,9 @@ def _lines(err: str) -> list[str]:
 
 def test_sigint_during_extract_is_one_line_exit_130_and_leaves_nothing(model, sources, tmp_path):
     wh = tmp_path / "wh"
-    r = _cli(_args(model, sources, wh), "int", "forward:3", real=True)  # Ctrl-C at the 3rd forward pass (after the params)
+    # Ctrl-C at the 3rd forward pass (after the params), in a fresh interpreter as a user starts it (the
+    # other signal and kill tests fork from the tests' fork server, which emulates this exit)
+    r = _cli(_args(model, sources, wh), "int", "forward:3", real=True)
     assert r.returncode == 130, r.stderr
     assert "terminate called" not in r.stderr and "Traceback" not in r.stderr
     assert _lines(r.stderr) == [f"error: interrupted: nothing of {model.name}@main was committed"]

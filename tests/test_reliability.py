@@ -75,8 +75,7 @@ def base(workdir, sources, model_factory):
 def test_kill_9_anywhere(base, sources, workdir, point, n):
     wh = workdir / f"rel-kill-{point}-{n}"
     shutil.copytree(base["before"], wh)
-    # one kill in a fresh interpreter, the others forked from the tests' fork server
-    proc = run_subprocess(extract_args(base["model"], sources, wh), fault=f"{point}:{n}", real=point == "write")
+    proc = run_subprocess(extract_args(base["model"], sources, wh), fault=f"{point}:{n}")
     assert proc.returncode == -9, proc.stderr[-2000:]
     state = snapshot(wh)
     want = base["snap_after"] if point in AFTER_COMMIT else base["snap_before"]
