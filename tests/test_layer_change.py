@@ -160,6 +160,28 @@ def _reference(model, docs: list[str]) -> dict:
     return change, rws, int((np.bincount(win) == 1).sum())
 
 
+def trained_like(model_factory, workdir):
+    """The tiny GPT-NeoX with a dominant mean, as trained models have: every token embedding plus one
+    vector m of norm 3 (~27× a token's own, half of it in one 'massive' dimension), which the residual
+    stream carries through every block — so the tokens' cosines are near 1 and a block turns them by
+    small angles (where arccos of the cosine loses digits)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = workdir / "models" / "gpt_neox-dominant-mean"
+    if not path.exists():
+        shutil.copytree(model_factory("gpt_neox", tied=False), path)
+        weights = load_file(path / "model.safetensors")
+        emb = weights["gpt_neox.embed_in.weight"]  # (V, d)
+        m = torch.randn(emb.shape[1], generator=torch.Generator().manual_seed(5))
+        m = 3.0 * m / m.norm() * 0.5 ** 0.5
+        m[3] += 3.0 * 0.5 ** 0.5  # ‖m‖ ≈ 3, about half of it along dimension 3
+        weights["gpt_neox.embed_in.weight"] = emb + m
+        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 def _views(wh) -> tuple[dict, dict]:
     con = connect(wh)
     change = {(s, layer): (n, b, a) for s, layer, n, b, a in con.execute(
@@ -171,13 +193,14 @@ def _views(wh) -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("family", ["gpt_neox", "bert"])
 def test_views_equal_the_definition_on_the_models_own_hidden_states(workdir, model_factory, texts, family):
-    """A decoder with a final norm (GPT-NeoX: rows 0 … L, the last from block L to the norm) and an
-    encoder (BERT: [CLS]/[SEP] fed, not counted), `--unit sentence`: per source and for 'all' (the
-    merge of both) the views equal the definition on the model's own float64 hidden states to 1e-6
-    (float32 forwards); every block has a row.  Two shards of the sources make the same views to 1e-12
-    (one window per batch: the forwards are the same whatever the shard, the sums merge)."""
+    """A decoder with a final norm and a dominant mean (GPT-NeoX, `trained_like`: rows 0 … L, the last
+    from block L to the norm) and an encoder (BERT: [CLS]/[SEP] fed, not counted), `--unit sentence`:
+    per source and for 'all' (the merge of both) the views equal the definition on the model's own
+    float64 hidden states to 1e-6 (float32 forwards; with the dominant mean, block influence to 1e-6 of
+    itself); every block has a row.  Two shards of the sources make the same views to 1e-12 (one window
+    per batch: the forwards are the same whatever the shard, the sums merge)."""
     docs, paths = texts
-    model = model_factory(family, tied=False)
+    model = trained_like(model_factory, workdir) if family == "gpt_neox" else model_factory(family, tied=False)
     args = ["--model", model, "--source", f"alpha={paths['alpha']}", "--source", f"beta={paths['beta']}",
             "--unit", "sentence", "--max-length", 64, "--batch-size", 1, "--no-moments"]
     whole, halves = workdir / f"layer-change-{family}", workdir / f"layer-change-{family}-halves"
@@ -199,6 +222,10 @@ def test_views_equal_the_definition_on_the_models_own_hidden_states(workdir, mod
             got = change[(source, layer)]
             assert got[0] == n and got[1] == pytest.approx(bi, abs=1e-6) and got[2] == pytest.approx(ad, abs=1e-6)
             assert 0 < got[2] < 1
+            if family == "gpt_neox" and layer + 2 < n_layers:  # the blocks turn the dominant mean's tokens little
+                assert got[1] < 1e-2 and got[1] == pytest.approx(bi, rel=1e-6), (source, layer, got, bi)
+        if family == "gpt_neox":  # the dominant mean: tokens of different sentences nearly parallel
+            assert all(v > 0.9 for _, v in want_rws.values()), want_rws
         for layer, (w, v) in want_rws.items():
             got = rws[(source, layer)]
             assert got[0] == w and got[1] == pytest.approx(v, abs=1e-6), (source, layer, got, v)
