@@ -197,8 +197,9 @@ def test_views_equal_the_definition_on_the_models_own_hidden_states(workdir, mod
     from block L to the norm) and an encoder (BERT: [CLS]/[SEP] fed, not counted), `--unit sentence`:
     per source and for 'all' (the merge of both) the views equal the definition on the model's own
     float64 hidden states to 1e-6 (float32 forwards; with the dominant mean, block influence to 1e-6 of
-    itself); every block has a row.  Two shards of the sources make the same views to 1e-12 (one window
-    per batch: the forwards are the same whatever the shard, the sums merge)."""
+    itself); every block has a row.  Two shards of the sources (GPT-NeoX; the merge is the same for any
+    family) make the same views to 1e-12 (one window per batch: the forwards are the same whatever the
+    shard, the sums merge)."""
     docs, paths = texts
     model = trained_like(model_factory, workdir) if family == "gpt_neox" else model_factory(family, tied=False)
     args = ["--model", model, "--source", f"alpha={paths['alpha']}", "--source", f"beta={paths['beta']}",
@@ -206,7 +207,7 @@ def test_views_equal_the_definition_on_the_models_own_hidden_states(workdir, mod
     whole, halves = workdir / f"layer-change-{family}", workdir / f"layer-change-{family}-halves"
     code, _, err = run_cli("extract", *args, "--warehouse", whole)
     assert code == 0, err
-    for shard in ("1/2", "2/2"):
+    for shard in ("1/2", "2/2") if family == "gpt_neox" else ():
         code, _, err = run_cli("extract", *args, "--shard", shard, "--warehouse", halves)
         assert code == 0, err
     change, rws = _views(whole)
@@ -229,6 +230,8 @@ def test_views_equal_the_definition_on_the_models_own_hidden_states(workdir, mod
         for layer, (w, v) in want_rws.items():
             got = rws[(source, layer)]
             assert got[0] == w and got[1] == pytest.approx(v, abs=1e-6), (source, layer, got, v)
+    if family != "gpt_neox":
+        return
     shards_change, shards_rws = _views(halves)
     for mine, theirs in ((change, shards_change), (rws, shards_rws)):
         assert mine.keys() == theirs.keys()
