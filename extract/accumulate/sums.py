@@ -81,7 +81,7 @@ class TokenSums:
         self.change_n = torch.zeros(n_layers, dtype=torch.int64, device=self.device)
         self.change_cos = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
         self.change_angle = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
-        self._prev = None  # (layer, its rows, their 1/‖h‖, the rows' version) of the batch's last layer (`_keep`)
+        self._prev = None  # (layer, its rows, their 1/‖h‖) of the batch's last layer added (`_prev_rows`)
         self._change_buf = None  # the CPU path's (CHUNK, d) float64 buffer for `change_norms`
         self._batch = None
         self._nxt = None  # (B·T,) the positions' next counted positions (`set_batch`, compiled step with `extra`)
@@ -246,11 +246,11 @@ class TokenSums:
             return
         if self._fused is not None and self.sample is None and uniq is None:
             prev = self._prev if self._prev is not None and self._prev[0] == layer - 1 else None
-            if prev is not None and (prev[1].dim() == 2 or not self._intact(prev)):  # (M, d): the eager path's rows
+            if prev is not None and prev[1].dim() == 2:  # the eager path's rows (M, d): not the step's input
                 prev = None
             try:
                 stats = run_compiled(self._fused, self.sums[layer], self.counts[layer], index, hidden, sel,
-                                      self._counted, self._nxt, *(prev[1:3] if prev is not None else (None, None)))
+                                      self._counted, self._nxt, *(prev[1:] if prev is not None else (None, None)))
             except Exception as e:  # no Triton / compiler here, or a recompile failed or hit the limit:
                 # the eager path from here on, same sums (a compile fails before the step writes anything)
                 why = "recompile" if self._compiled_once else "compile"
@@ -324,9 +324,9 @@ class TokenSums:
         where excluded) for the layer change to `layer`, or None (the batch's first layer).  Taken from
         the compiled step's (B, T, d) input where that step ran the previous layer (its fallback to
         the eager path in the middle of a batch)."""
-        if self._prev is None or self._prev[0] != layer - 1 or not self._intact(self._prev):
+        if self._prev is None or self._prev[0] != layer - 1:
             return None
-        _, rows, inv, _ = self._prev
+        _, rows, inv = self._prev
         if rows.dim() == 3:  # the compiled step's hidden (B, T, d) and 1/‖h‖ (B, T)
             inv = inv.reshape(-1).index_select(0, sel)
             rows = rows.reshape(-1, rows.shape[-1]).index_select(0, sel).masked_fill(~(inv > 0).unsqueeze(1), 0)
@@ -334,27 +334,8 @@ class TokenSums:
 
     def _keep(self, layer: int, rows: torch.Tensor, inv: torch.Tensor) -> None:
         """Keep a layer's rows and their 1/‖h‖ for the next layer's change (nothing after the last layer:
-        the rows are not held until the next batch).  The compiled step's rows are the model's own
-        hidden states (B, T, d), kept by reference with their version counter (`_intact`); copied once a
-        model has been seen to modify them in place."""
-        if layer + 1 >= self.L:
-            self._prev = None
-            return
-        if self.paths.get("layer_change") == "copied" and rows.dim() == 3:
-            rows = rows.clone()
-        self._prev = (layer, rows, inv, rows._version)
-
-    def _intact(self, prev: tuple) -> bool:
-        """Whether the kept rows are as they were kept.  A model that modifies a layer's output in place
-        in the next layer would make the change wrong: that batch's change for the layer pair is left
-        out (change_n counts only the pairs summed; the views divide by it), the rows are copied from
-        then on, and a one-line warning says so."""
-        if prev[1]._version == prev[3]:
-            return True
-        slow_path(self.paths, "layer_change", "copied",
-                  f"layer {prev[0]}'s hidden states were modified in place by the next layer: the layer change "
-                  "copies every layer's hidden states from here on (one batch's change of that layer pair left out)")
-        return False
+        the rows are not held until the next batch)."""
+        self._prev = (layer, rows, inv) if layer + 1 < self.L else None
 
     def _add_change(self, at: int, n: torch.Tensor, cos: torch.Tensor, angle: torch.Tensor) -> None:
         """Fold one batch's `change_sums` from layer `at` to `at` + 1 into index `at`."""
