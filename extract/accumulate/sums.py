@@ -334,7 +334,11 @@ class TokenSums:
 
     def _keep(self, layer: int, rows: torch.Tensor, inv: torch.Tensor) -> None:
         """Keep a layer's rows and their 1/‖h‖ for the next layer's change (nothing after the last layer:
-        the rows are not held until the next batch)."""
+        the rows are not held until the next batch).  The eager paths keep the rows they gathered (a
+        copy); the compiled step keeps the model's own hidden states (B, T, d) by reference, which is
+        right as long as the next layer does not write into its input in place (the residual additions
+        of the families tested here are out of place; inference tensors carry no version counter that
+        could check it)."""
         self._prev = (layer, rows, inv) if layer + 1 < self.L else None
 
     def _add_change(self, at: int, n: torch.Tensor, cos: torch.Tensor, angle: torch.Tensor) -> None:
