@@ -90,29 +90,39 @@ def test_unavailable_models_fail_with_one_line(workdir, sources, args, message):
     assert not (wh / "tables").exists() or not any((wh / "tables").rglob("*.parquet"))
 
 
-# The query side as a user runs it: each command in a fresh process, then the modules it loaded.
-_LOADED = ("import runpy, sys\nsys.argv = sys.argv[1:]\ntry:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
-           "except SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
-           "print('LOADED', code, ' '.join(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))")
-
-
-@pytest.mark.parametrize("command", [
+# The query side as a user runs it: the commands one after another in one fresh interpreter, after each
+# the modules loaded so far (they only grow: the first command that loads torch is named).
+_LOADED = ("import json, runpy, sys\n"
+           "for argv in json.loads(sys.argv[1]):\n"
+           "    sys.argv = argv\n"
+           "    try:\n        runpy.run_path(argv[0], run_name='__main__')\n"
+           "    except SystemExit as e:\n        code = e.code\n    else:\n        code = 0\n"
+           "    print('LOADED', argv[1], code, ' '.join(m for m in ('torch', 'transformers', 'accelerate') "
+           "if m in sys.modules), flush=True)\n")
+QUERY_SIDE = [
     ["sql", "SELECT count(*) FROM inter_sim, anisotropy, isotropy, intrinsic_dim, linearity"],
     ["validate"], ["views"], ["report", "--out", "{tmp}/report"], ["pull", "--to", "{tmp}/copy"], ["compact"], ["merge"],
-])
-def test_query_side_imports_neither_torch_nor_transformers(single, tmp_path, command):
-    """sql, report, validate, views, pull, compact and merge never load torch or transformers (start-up cost)."""
+]
+
+
+def test_query_side_imports_neither_torch_nor_transformers(single, tmp_path):
+    """sql, report, validate, views, pull, compact and merge never load torch or transformers (start-up
+    cost): each succeeds (on its own copy of the warehouse: compact rewrites it) and leaves neither loaded."""
+    import json
     import shutil
 
-    wh = tmp_path / "wh"
-    shutil.copytree(single["wh"], wh)  # compact rewrites it
-    args = [a.replace("{tmp}", str(tmp_path)) for a in command]
-    out = subprocess.run([sys.executable, "-c", _LOADED, "cli.py", *args, "--warehouse", str(wh)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    line = [x for x in out.stdout.splitlines() if x.startswith("LOADED")]
-    assert line, out.stderr[-2000:]
-    assert line[-1].split()[1] == "0", out.stderr[-2000:] + out.stdout[-2000:]  # the command succeeded
-    assert line[-1].split()[2:] == [], f"{command[0]} imported {line[-1].split()[2:]}"
+    runs = []
+    for i, command in enumerate(QUERY_SIDE):
+        wh, tmp = tmp_path / f"wh{i}", tmp_path / f"out{i}"
+        shutil.copytree(single["wh"], wh)
+        runs.append(["cli.py", *[a.replace("{tmp}", str(tmp)) for a in command], "--warehouse", str(wh)])
+    out = subprocess.run([sys.executable, "-c", _LOADED, json.dumps(runs)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    lines = [x.split() for x in out.stdout.splitlines() if x.startswith("LOADED")]
+    assert [x[1] for x in lines] == [c[0] for c in QUERY_SIDE], out.stderr[-2000:]
+    for command, line in zip(QUERY_SIDE, lines):
+        assert line[2] == "0", (command, out.stderr[-2000:] + out.stdout[-2000:])  # the command succeeded
+        assert line[3:] == [], f"{command[0]} imported {line[3:]}"
 
 
 def test_extract_help_lists_every_declared_option_in_its_group():
