@@ -43,6 +43,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# torch.compile's code generation in this process, not in a pool of worker processes that each import torch
+# first (~10 s of CPU for the one test of the compiled step, whose graph is tiny).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Plain progress lines (stderr is no terminal under pytest) only when a test asks: a test that counts
 # stderr's lines (one `error:` line) must not see a 10 % line of a slow machine (tests/test_progress.py).
 os.environ.setdefault("ISO_PROGRESS_INTERVAL", "3600")

@@ -343,6 +343,8 @@ class Server:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        if self.path:
+            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
         os.environ.pop(ENV_SOCKET, None)
 
 
