@@ -32,8 +32,8 @@ from .local import LocalStorage, durable_temp
 from .s3 import S3Storage
 from .s3_retry import RetryPolicy, describe_s3_error, retry_policy
 
-__all__ = ["open_storage", "Storage", "Output", "StorageFault", "UncertainWrite", "LocalStorage", "durable_temp", "S3Storage",
-           "describe_s3_error", "RetryPolicy", "retry_policy",
+__all__ = ["open_storage", "Storage", "Output", "StorageFault", "UncertainWrite", "LocalStorage", "durable_temp",
+           "S3Storage", "describe_s3_error", "RetryPolicy", "retry_policy",
            "HASH", "HASH_CHUNK", "HashingStream", "checksum", "MissingFile", "verify", "Checked"]
 
 _OPEN: dict[str, Storage] = {}  # one probed S3 storage per URL and process
