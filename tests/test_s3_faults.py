@@ -255,8 +255,8 @@ def test_each_command_fails_in_one_line_then_rides_out_scattered_faults(faulty, 
         code, _, err = run_cli("sql", "SELECT * FROM inter_sim", "--warehouse", url)
         one_line(code, err, "AWS Error", "the S3 store kept failing")
     leases = [k for k in keys(s3, "commands") if k.startswith("_inflight/")]
-    assert len(leases) >= 2  # the failed extract's and merge's: held while their records might land
-    for key in leases:  # as their processes would be after exiting (these ran in this one: live)
+    assert leases  # the failed extract's: the store went down before it could release it
+    for key in leases:  # as its process would be after exiting (it ran in this one: live)
         lease = json.loads(s3["client"].get_object(Bucket=BUCKET, Key=f"faults-commands/{key}")["Body"].read())
         lease["pid_start"] += 1  # this pid, started at another time: proven gone
         s3["client"].put_object(Bucket=BUCKET, Key=f"faults-commands/{key}", Body=json.dumps(lease).encode())

@@ -169,9 +169,13 @@ def committed_files(root, entries: list[Entry]) -> set[str] | None:
 def _discard_unless_committed(root, entries: list[Entry], exc: BaseException) -> None:
     """After an exception around publishing: remove the entries' new files unless the record that
     lists them was created (an interrupt while writing the companions comes after it) or may still
-    be (UncertainWrite: they stay, orphans for `validate --fix` if it never lands)."""
+    be (UncertainWrite: they stay, and their leases go, so that `validate --fix` moves them only once
+    the grace period is over — long after an attempt still in flight could land)."""
     keep = None if isinstance(exc, UncertainWrite) else committed_files(root, entries)
     if keep is None:  # landed or not, unknown: every file stays
+        with contextlib.suppress(Exception):  # (a store failing: the leases stay, as after a kill)
+            runs = {store.run_of(rel) for e in entries for rel in e["files"].values()}
+            store.release_leases(open_storage(root), runs)
         return
     discard(root, [{**e, "files": {t: f for t, f in e["files"].items() if f not in keep}} for e in entries])
 
