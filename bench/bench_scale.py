@@ -164,7 +164,8 @@ def write_partial(wh: Path, model: str, checkpoint: str, step, source: str, shar
                   ) -> dict:
     """One partial through `tables.write_sums` and its entry through `provenance.manifest_entry`, as `extract`
     makes them."""
-    loaded = SimpleNamespace(ref=SimpleNamespace(name=model), checkpoint=checkpoint, step=step, model=None, layout=None)
+    loaded = SimpleNamespace(ref=SimpleNamespace(name=model), checkpoint=checkpoint, step=step, model=None, layout=None,
+                             context=2048)
     src = SimpleNamespace(name=source, pile_set=None, split_by=None, split_value=None)
     settings = run_settings.Settings(shard=shard, vector_dtype=vector_dtype, moments=moments)
     acc = SyntheticSums(L, V, d, seed, types, moments)

@@ -19,7 +19,7 @@ from warehouse import merge, query, store
 from warehouse.storage import UncertainWrite, open_storage
 
 from ..memory import limit_malloc_arenas, release_memory
-from ..models import DTYPES, Loaded, ModelRef, check_dtype, load, model_identity, to_compute
+from ..models import DTYPES, Loaded, ModelRef, check_dtype, check_local, load, model_identity, to_compute
 from ..sources import Source, fingerprint, split_source
 from .preflight import check_coverage, params_kept, sources_to_run
 from .provenance import checkpoint_provenance, manifest_entry, run_provenance
@@ -101,6 +101,7 @@ def _checkpoint(run: _Run, checkpoint: str, manifest: dict) -> list[SourceResult
     """One checkpoint: checks on `manifest`, load, tables, commit, then compaction and the log lines."""
     ref, settings = run.ref, run.settings
     todo = list(run.sources)
+    check_local(ref, checkpoint, settings.trust_remote_code)
     identity = model_identity(ref, checkpoint)  # a local directory's weights: known before loading
     if settings.skip_done:
         todo, skip = sources_to_run(manifest, ref, checkpoint, run.sources, settings, run.prints, identity,
