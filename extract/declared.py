@@ -250,7 +250,8 @@ def default(name: str):
 # Result settings whose values may differ between the partials of one source: which documents and
 # tokens a partial counts (`shard`, `max_tokens`) and which tables it writes (a fold keeps a table only
 # where every partial of the group has it).  Every other result setting is an identity setting.
-MIXABLE_SETTINGS = ("shard", "max_tokens", "moments", "cross_moments", "sequences", "prompt_entropy", "sample")
+MIXABLE_SETTINGS = ("shard", "max_tokens", "moments", "cross_moments", "sequences", "prompt_entropy", "sample",
+                    "attention", "attention_moments", "attention_sinks")
 
 # Settings that make a partial what it is: a data entry records each one's value under `identity`
 # (extract/run/provenance.py), and the warehouse never folds partials of one source whose recorded
