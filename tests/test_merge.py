@@ -245,7 +245,7 @@ def _snapshot(root: Path) -> dict:
     con = connect(root)
     views = ["inter_sim", "inter_sim_by_source", "intra_sim", "avg_intra_sim", "inter_sim_by_frequency",
              "inter_sim_types", "dim_contrib", "drift", "intra_sentence_sim", "anisotropy", "linearity",
-             "intrinsic_dim", "isoscore"]
+             "intrinsic_dim", "isoscore", "qk_sums", "qk_geometry_by_source"]
     out = {v: sorted(tuple(round(x, 12) if isinstance(x, float) else x for x in r)
                      for r in con.execute(f"SELECT * FROM {v}").fetchall()) for v in views}
     con.close()
