@@ -196,6 +196,28 @@ def test_no_attention_writes_none(workdir, sources, model_factory):
     assert code != 0 and "--no-attention" in err and len(err.strip().splitlines()) == 1
 
 
+def test_partials_with_and_without_attention_fold_together(workdir, sources, model_factory):
+    """The attention settings may differ between the partials of one source: the group keeps the
+    attention rows only where every partial has them, and a column (sinks) only where every partial
+    measured it; a re-run of one shard replaces its rows (never counted twice)."""
+    wh = workdir / "attention-mixed"
+    common = ["--model", model_factory("llama", tied=False, context=CONTEXT), "--source", f"alpha={sources['alpha']}",
+              "--max-length", 32, "--max-tokens", 150, "--no-moments", "--warehouse", wh]
+    for args in (["--shard", "1/2", "--attention-sinks"], ["--shard", "2/2", "--no-attention"]):
+        code, _, err = run_cli("extract", *common, *args)
+        assert code == 0, err
+    con = connect(wh)
+    assert con.execute("SELECT count(*) FROM attention_totals").fetchone()[0] == 0
+    assert con.execute("SELECT count(*) FROM inter_sim").fetchone()[0] > 0
+    con.close()
+    code, _, err = run_cli("extract", *common, "--shard", "2/2")  # replaces shard 2: attention, no sinks
+    assert code == 0, err
+    con = connect(wh)
+    n_tokens = con.execute("SELECT n FROM layer_totals WHERE source = 'all' AND layer = 0").fetchone()[0]
+    assert con.execute("SELECT count(*) FROM attention_sink").fetchone()[0] == 0
+    assert {r[0] for r in con.execute("SELECT DISTINCT n FROM qk_geometry").fetchall()} == {n_tokens}
+
+
 def test_a_family_without_the_interface_says_so_and_writes_none(workdir, sources, model_factory):
     wh = workdir / "attention-bloom"
     code, _, err = run_cli("extract", "--model", model_factory("bloom", tied=False, context=CONTEXT), "--source",
