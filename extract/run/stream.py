@@ -154,9 +154,9 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
         made = Prefetch(lambda: batches(  # tokenised and packed on a background thread, ≤ PREFETCH_BATCHES ahead
             loaded, windows(loaded, texts, settings, result, splitter, specials), *batch_limits(loaded, settings),
             settings.special_tokens, specials), settings.device, PREFETCH_BATCHES)
+        plan = attention_for(loaded, settings) if acc.attention is not None else None  # probed before the hooks
         with made, torch.inference_mode(), capture_layers(loaded.model, loaded.layout, acc.add), \
-                capture_attention(attention_for(loaded, settings) if acc.attention is not None else None,
-                                  acc.attention.add if acc.attention is not None else None):
+                capture_attention(plan, acc.attention.add if plan is not None else None):
             for batch in made:
                 bar.update(forward_batch(forward, acc, batch, salt, result))
         bar.close()
