@@ -9,7 +9,8 @@ from __future__ import annotations
 import altair as alt
 import polars as pl
 
-from .charts import HEIGHT, WIDTH, color_by, line_chart, tooltips, training_missing, x_axis
+from .charts import (HEIGHT, WIDTH, color_by, has_twins, line_chart, tooltips, training_missing, twin_overlay,
+                     x_axis)
 from .data import Data, Figure
 
 QK_MISSING = ("no data for qk_geometry (extract with --attention, the default; a model whose attention does not go "
@@ -69,13 +70,15 @@ def fig_qk_drift_training(d: Data) -> Figure:
         return f
     df = _head_rows(df)
     rows = df["block_head"].n_unique()
-    f.chart = alt.Chart(df).mark_rect().encode(
+    rect = alt.Chart(df).mark_rect().encode(
         x=alt.X("step:O", title="Training step"),
         y=alt.Y("block_head:O", title="Block · head", sort="descending"),
         color=alt.Color("q_drift_share:Q", title="Query drift share", scale=alt.Scale(scheme="viridis")),
         tooltip=tooltips("model", "checkpoint", "step", "layer", "head", "q_drift_share", "k_drift_share",
                          "qk_drift_cos"),
-    ).properties(width=WIDTH * 0.8, height=min(900, max(HEIGHT * 0.8, 6 * rows))).facet(
+    )
+    chart = alt.layer(rect, twin_overlay(rect, "rect")) if has_twins(df) else rect
+    f.chart = chart.properties(width=WIDTH * 0.8, height=min(900, max(HEIGHT * 0.8, 6 * rows))).facet(
         column=alt.Column("model:N", title="Model")).resolve_scale(x="independent", y="independent")
     f.data = df
     return f
