@@ -142,10 +142,10 @@ OPTIONS: tuple[Option, ...] = (
                  "--sequences; cost in docs/measures.md)."),
     _option("sample", "int", 0, "measures", result=True,
             help="Also keep a mergeable bottom-k sample of K token vectors per layer (intrinsic dimension)."),
-    _option("attention", "flag", True, "measures", result=True,
-            help="Per-head query/key sums of every block's self-attention after the rotary embedding (n, Σq, Σk, Σq̂, "
-                 "Σk̂, Σ‖q‖², Σ‖k‖², Σ⟨q̂,k̂⟩; qk_geometry), captured through transformers' attention interface (on "
-                 "by default; a model whose attention does not use it gets none, said in one line; cost: "
+    _option("attention", "flag", None, "measures", result=True,
+            help="Also per-head query/key sums of every block's self-attention after the rotary embedding (n, Σq, "
+                 "Σk, Σq̂, Σk̂, Σ‖q‖², Σ‖k‖², Σ⟨q̂,k̂⟩; qk_geometry), captured through transformers' attention "
+                 "interface (opt-in; a model whose attention does not use it gets none, said in one line; cost: "
                  "docs/measures.md)."),
     _option("attention_moments", "flag", False, "measures", result=True,
             help="Also each head's uncentred second moments Σqqᵀ, Σkkᵀ (head_dim² each; qk_direction: Q-Filters' "

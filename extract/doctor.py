@@ -30,12 +30,11 @@ from common.errors import UserError
 
 from .accumulate.moments import Moments
 from .accumulate.sums import TokenSums
-from .attention import capture_attention
 from .hooks import capture_layers, layer_kinds
 from .models import DTYPES, check_dtype, load, resolve_model, to_compute
 from .run.provenance import package_versions
 from .run.settings import Settings, SourceResult, check_moments_precision
-from .run.stream import attention_for, base_forward, code_paths, forward_batch, memory_budget, new_accumulator
+from .run.stream import base_forward, code_paths, forward_batch, memory_budget, new_accumulator
 from .run.windows import batch_limits, batches, windows
 from .sources import BUILTIN, ReadStats, indexed_documents, parse_source
 
@@ -153,7 +152,6 @@ def doctor(model: str, device: str | None = None, dtype: str | None = None, seco
             torch.cuda.reset_peak_memory_stats()
         bare = base_forward(loaded, settings)
         acc = new_accumulator(loaded, settings, memory_budget(settings))
-        plan = attention_for(loaded, settings) if acc.attention is not None else None
         result = SourceResult("doctor")
 
         def bare_pass() -> float:
@@ -166,8 +164,7 @@ def doctor(model: str, device: str | None = None, dtype: str | None = None, seco
 
         def default_pass() -> float:
             start = time.perf_counter()
-            with torch.inference_mode(), capture_layers(loaded.model, loaded.layout, acc.add), \
-                    capture_attention(plan, acc.attention.add if plan is not None else None):
+            with torch.inference_mode(), capture_layers(loaded.model, loaded.layout, acc.add):
                 for batch in data:
                     forward_batch(bare, acc, batch, 0, result)
             if acc.moments is not None:

@@ -210,7 +210,7 @@ def test_partials_with_and_without_attention_fold_together(workdir, sources, mod
     assert con.execute("SELECT count(*) FROM attention_totals").fetchone()[0] == 0
     assert con.execute("SELECT count(*) FROM inter_sim").fetchone()[0] > 0
     con.close()
-    code, _, err = run_cli("extract", *common, "--shard", "2/2")  # replaces shard 2: attention, no sinks
+    code, _, err = run_cli("extract", *common, "--shard", "2/2", "--attention")  # replaces shard 2: no sinks
     assert code == 0, err
     con = connect(wh)
     n_tokens = con.execute("SELECT n FROM layer_totals WHERE source = 'all' AND layer = 0").fetchone()[0]
@@ -222,7 +222,7 @@ def test_a_family_without_the_interface_says_so_and_writes_none(workdir, sources
     wh = workdir / "attention-bloom"
     code, _, err = run_cli("extract", "--model", model_factory("bloom", tied=False, context=CONTEXT), "--source",
                            f"alpha={sources['alpha']}", "--source", f"beta={sources['beta']}", "--max-tokens", 200,
-                           "--warehouse", wh)
+                           "--attention", "--warehouse", wh)
     assert code == 0, err
     notes = [line for line in err.splitlines() if "no per-head attention sums" in line]
     assert len(notes) == 1 and "attention interface" in notes[0]

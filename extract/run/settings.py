@@ -43,7 +43,7 @@ class Settings:
     sequences: bool = False  # per-window measures (resolved: --sequences or --prompt-entropy)
     prompt_entropy: bool = default("prompt_entropy")  # per-window prompt entropy (an eigendecomposition per window and layer)
     sample: int = default("sample")  # K: bottom-k sample of token vectors per layer (0 = none)
-    attention: bool = default("attention")  # per-head query/key sums (extract/attention.py)
+    attention: bool = False  # per-head query/key sums (resolved: --attention, --attention-moments or --attention-sinks)
     attention_moments: bool = default("attention_moments")  # and their per-head second moments
     attention_sinks: bool = default("attention_sinks")  # and the attention on each window's first token
     special_tokens: bool = default("special_tokens")  # count the positions of the tokenizer's special tokens

@@ -13,7 +13,7 @@ from .charts import (HEIGHT, WIDTH, color_by, has_twins, line_chart, tooltips, t
                      x_axis)
 from .data import Data, Figure
 
-QK_MISSING = ("no data for qk_geometry (extract with --attention, the default; a model whose attention does not go "
+QK_MISSING = ("no data for qk_geometry (extract with --attention; a model whose attention does not go "
               "through transformers' attention interface has none)")
 SINK_MISSING = "no data for attention_sink (extract with --attention-sinks)"
 SINK_EPSILON = 0.3  # Gu et al.'s threshold, as attention_sink_rate uses it
@@ -66,7 +66,7 @@ def fig_qk_drift_training(d: Data) -> Figure:
                "per model; all sources.")
     df = d.training("qk_geometry", order="model, step, layer, head")
     if df.is_empty():
-        f.missing = training_missing("qk_geometry") + " (extract with --attention, the default)"
+        f.missing = training_missing("qk_geometry") + " (extract with --attention)"
         return f
     df = _head_rows(df)
     rows = df["block_head"].n_unique()
