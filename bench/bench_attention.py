@@ -7,7 +7,7 @@ without and with the attention sums, alternating which goes first, so a loaded m
 both alike.  Printed per shape: the median and total of the per-batch CPU-time and wall-time ratios
 (with ÷ without), and the CPU time spent inside the attention sums themselves (their `add`, timed on
 the forward's thread) as a share of the pass without them: on a loaded machine the ratios wander by
-±10 %, the share inside much less.  For the whole process use `bench_matrix.py --variants default no-attention`.
+±10 %, the share inside much less.  For the whole process use `bench_matrix.py --variants default attention`.
 
     python bench/bench_attention.py                         # ~30k tokens per shape
     python bench/bench_attention.py --tokens 10000 --variants attention attention-sinks
