@@ -60,16 +60,16 @@ def _feed(accs, shapes, V, d, L, gen):
         for acc in accs:
             acc.set_batch(ids, counted)
             for layer in range(L):
-                acc.add(layer, hidden * (layer + 1))
+                acc.add(layer, (hidden * (layer + 1)).roll(layer, -1))  # another direction per layer
 
 
 def _assert_same(eager: TokenSums, other: TokenSums, L: int) -> None:
     for layer in range(L):
         (ce, se), (cf, sf) = eager.dense(layer), other.dense(layer)
         assert torch.equal(ce, cf) and torch.allclose(se, sf, rtol=1e-13, atol=1e-13)
-    for name in ("nonfinite", "zero", "windows"):
+    for name in ("nonfinite", "zero", "windows", "unit_windows", "change_n"):
         assert torch.equal(getattr(eager, name), getattr(other, name)), name
-    for name in ("sum_h", "sum_u2", "window_cos"):
+    for name in ("sum_h", "sum_u2", "window_cos", "sum_ubar", "sum_ubar_sq", "change_cos", "change_angle"):
         assert torch.allclose(getattr(eager, name), getattr(other, name), rtol=1e-12, atol=1e-12), name
 
 

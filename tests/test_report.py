@@ -63,11 +63,16 @@ CHART_VIEWS = {
     "fig35_curvature_training": ("curvature", ["model", "checkpoint", "source", "layer"], ["curvature"]),
     "fig36_prompt_entropy_by_layer": ("prompt_entropy", ["model", "checkpoint", "source", "layer"], ["prompt_entropy"]),
     "fig37_prompt_entropy_training": ("prompt_entropy", ["model", "checkpoint", "source", "layer"], ["prompt_entropy"]),
-    "fig38_qk_drift_by_layer": ("qk_geometry", ["model", "checkpoint", "layer", "head"], []),
-    "fig39_qk_drift_training": ("qk_geometry", ["model", "checkpoint", "layer", "head"], ["q_drift_share"]),
-    "fig40_attention_sink_by_layer": ("attention_sink", ["model", "checkpoint", "layer", "head"],
+    "fig44_qk_drift_by_layer": ("qk_geometry", ["model", "checkpoint", "layer", "head"], []),
+    "fig45_qk_drift_training": ("qk_geometry", ["model", "checkpoint", "layer", "head"], ["q_drift_share"]),
+    "fig46_attention_sink_by_layer": ("attention_sink", ["model", "checkpoint", "layer", "head"],
                                       ["n", "sink_attention"]),
-    "fig41_sink_rate_training": ("attention_sink_rate", ["model", "checkpoint"], ["heads", "sink_rate"]),
+    "fig47_sink_rate_training": ("attention_sink_rate", ["model", "checkpoint"], ["heads", "sink_rate"]),
+    "fig41_block_influence_by_layer": ("layer_change", ["model", "checkpoint", "source", "layer"], []),
+    "fig42_block_influence_training": ("layer_change", ["model", "checkpoint", "source", "layer"],
+                                       ["n", "block_influence", "angular_distance"]),
+    "fig43_random_word_sim_by_layer": ("random_word_sim", ["model", "checkpoint", "source", "layer"],
+                                       ["windows", "random_word_sim"]),
 }
 
 

@@ -36,7 +36,7 @@ def _heads_by_layer(df: pl.DataFrame, value: str, y_title: str, tips: list[str],
 
 
 def fig_qk_drift_layers(d: Data) -> Figure:
-    f = Figure("fig38_qk_drift_by_layer", "Query and key drift per head, by layer",
+    f = Figure("fig44_qk_drift_by_layer", "Query and key drift per head, by layer",
                "‖mean q‖ / √(mean ‖q‖²) of each head's queries (solid) and keys (dashed) after the rotary embedding "
                "(1: every vector the mean, 0: mean zero); each head a point, the layer's mean a line; final "
                "checkpoint, all sources. Godey et al. (2024) find queries and keys drifting along shared "
@@ -61,7 +61,7 @@ def _head_rows(df: pl.DataFrame) -> pl.DataFrame:
 
 
 def fig_qk_drift_training(d: Data) -> Figure:
-    f = Figure("fig39_qk_drift_training", "Query drift of every head during training",
+    f = Figure("fig45_qk_drift_training", "Query drift of every head during training",
                "‖mean q‖ / √(mean ‖q‖²) of every head (rows: block·head) at every checkpoint (columns), one panel "
                "per model; all sources.")
     df = d.training("qk_geometry", order="model, step, layer, head")
@@ -85,7 +85,7 @@ def fig_qk_drift_training(d: Data) -> Figure:
 
 
 def fig_sink_layers(d: Data) -> Figure:
-    f = Figure("fig40_attention_sink_by_layer", "Attention on the first token per head, by layer",
+    f = Figure("fig46_attention_sink_by_layer", "Attention on the first token per head, by layer",
                f"Mean attention of each head on its window's first token over the query positions after it (each "
                f"head a point, the layer's mean a line); a head above {SINK_EPSILON} is a sink (Gu et al. 2025); "
                f"final checkpoint, all sources.")
@@ -100,7 +100,7 @@ def fig_sink_layers(d: Data) -> Figure:
 
 
 def fig_sink_rate_training(d: Data) -> Figure:
-    f = Figure("fig41_sink_rate_training", "Sink rate during training",
+    f = Figure("fig47_sink_rate_training", "Sink rate during training",
                f"The share of heads (every block) whose mean attention on the first token exceeds {SINK_EPSILON} "
                "(Gu et al. 2025's sink rate) at each checkpoint; all sources.")
     df = d.training("attention_sink_rate", order="model, step")
