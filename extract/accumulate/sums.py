@@ -96,6 +96,7 @@ class TokenSums:
         self.moments: Moments | None = None  # optional consumers of the raw (unnormalised) vectors
         self.sample: Sample | None = None
         self.extra = None  # optional WindowMeasures (extract/sequences.py)
+        self.attention = None  # optional AttentionSums (attention.py), fed by the attention capture
 
     # ------------------------------------------------------------ slots (the table and its tiers)
 

@@ -1,5 +1,5 @@
 """Writing a run's tables: one source's sums (token_sums, layer_sums, and as measured moments,
-sequence_moments, massive, samples) and a checkpoint's parameter tables (partition_fn, norm_params,
+sequence_moments, massive, samples, attention_sums) and a checkpoint's parameter tables (partition_fn, norm_params,
 vocab), each a Parquet file per table through `store.TableWriter`, aborted (removed) on failure; and
 the empty partition folders a failed checkpoint leaves behind."""
 
@@ -155,6 +155,13 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
                          "position": smp.meta[:, 1].numpy(), "token_id": smp.meta[:, 2].numpy().astype(np.int32),
                          "vec": list(smp.vecs[layer].numpy())})
             files["samples"] = w.close()
+        if getattr(acc, "attention", None) is not None:
+            w = store.TableWriter(root, "attention_sums", values, run_id)
+            writers.append(w)
+            rows = acc.attention.rows()
+            w.write({**{k: [v] * len(rows) for k, v in key.items()},
+                     **{f.name: [r[f.name] for r in rows] for f in schema.ATTENTION_SUMS if f.name not in key}})
+            files["attention_sums"] = w.close()
         return files, stored
     except BaseException:
         for w in writers:

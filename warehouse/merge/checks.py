@@ -33,7 +33,7 @@ TOLERANCES = {
     "frequency_buckets": (1e-9, 1e-12), "moments_merged": (1e-9, 1e-12), "sequence_moments_merged": (1e-9, 1e-12),
     "samples_merged": (0.0, 0.0), "massive_merged": (0.0, 0.0),
     "spectrum": (1e-6, 1e-9), "sequence_eigenvalues": (1e-6, 1e-9), "dim_variance": (1e-6, 1e-9),
-    "layer_metrics": (1e-6, 1e-9),
+    "layer_metrics": (1e-6, 1e-9), "attention_totals": (1e-9, 1e-12), "attention_direction": (1e-6, 1e-9),
 }
 
 
