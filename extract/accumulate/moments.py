@@ -12,7 +12,7 @@ import torch
 
 from common.errors import UserError
 
-from .background import SideStream, Worker
+from .background import SideStream, Worker, cpu_plan
 from .matmul import ONEDNN, add_gram_upper, avx512, mm_bf16, mm_out_dtype
 from .paths import slow_path
 
@@ -91,14 +91,16 @@ class Moments:
             "float32": "float32 (centred" + (", oneDNN)" if self._nt is not None else ")")}[precision]}
         if self._bf16:
             self.paths["moments_rows"] = "raw"
-        if background is None:  # on a CPU: the moments' work fills the cores the forward leaves idle
-            background = dev.type == "cpu"
+        threads = 1
+        if dev.type == "cpu":  # the moments' work fills the cores the forward leaves idle (background.py)
+            thread, threads = cpu_plan()
+            background = thread if background is None else background
         if not background:
             self._worker = None
         elif dev.type == "cuda":  # a side stream: the products overlap the forward's kernels, no host sync
             self._worker = SideStream(dev)
         else:
-            self._worker = Worker(max_bytes=self.QUEUE_BYTES)
+            self._worker = Worker(max_bytes=self.QUEUE_BYTES, threads=threads)
 
     @property
     def has_cross(self) -> bool:

@@ -8,6 +8,7 @@ layer's output to the sums."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +32,17 @@ from .settings import Settings, SourceResult
 from .windows import Batcher, Windower, batch_limits, batches, windows
 
 PREFETCH_BATCHES = 4  # batches made ahead on a background thread (extract/staging.py); 0: in the loop
+PREFETCH_ENV = "ISO_PREFETCH"  # overrides PREFETCH_BATCHES (benchmarks: the thread budget's variants)
+
+
+def prefetch_batches() -> int:
+    """Batches made ahead: $ISO_PREFETCH, else PREFETCH_BATCHES."""
+    value = os.environ.get(PREFETCH_ENV, "").strip()
+    if not value:
+        return PREFETCH_BATCHES
+    if not value.isdigit():
+        raise UserError(f"{PREFETCH_ENV}={value!r}: expected a number of batches (0: made in the loop)")
+    return int(value)
 MASK_ONLY_WITH_PADDING = True  # a batch without padding goes in with attention_mask=None (same sums)
 
 
@@ -134,7 +146,7 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
         specials = not source.pretokenized  # training rows are fed as the model saw them
         made = Prefetch(lambda: batches(  # tokenised and packed on a background thread, ≤ PREFETCH_BATCHES ahead
             loaded, windows(loaded, texts, settings, result, splitter, specials), *batch_limits(loaded, settings),
-            settings.special_tokens, specials), settings.device, PREFETCH_BATCHES)
+            settings.special_tokens, specials), settings.device, prefetch_batches())
         with made, torch.inference_mode(), capture_layers(loaded.model, loaded.layout, acc.add):
             for batch in made:
                 bar.update(forward_batch(forward, acc, batch, salt, result))
