@@ -519,3 +519,47 @@ def test_compiled_step_gives_the_window_measures_their_terms_without_recompiles(
     for acc in accs.values():
         assert_windows_equal_definition(acc.extra, want, L)
     _assert_same(accs[(False, False)], accs[(True, False)], L)
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "llama", "gemma2", "bert"])
+def test_a_padded_batch_reads_nothing_of_its_device_mask_and_gives_the_same_states(family, model_factory,
+                                                                                   monkeypatch):
+    """A batch with padding: transformers' checks whether its mask may be dropped (`fast_all`, `.all()`:
+    on a GPU a host sync) are answered from the host (extract/masks.py) — no tensor is read into a
+    Python bool during the forward — and every layer's hidden states equal those of the plain 2-D
+    mask path bit for bit (causal, sliding-window and bidirectional models)."""
+    from transformers import masking_utils
+
+    from extract.architectures import get_module
+    from extract.hooks import capture_layers
+    from extract.models import forward_kwargs, load, resolve_model
+    from extract.run import settings as run_settings, stream as run
+
+    loaded = load(resolve_model(str(model_factory(family))), "main", torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, loaded.model.config.vocab_size, (3, 12), generator=g)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    mask[2, 3:] = 0
+
+    def states(forward):
+        out = {}
+        with torch.inference_mode(), capture_layers(loaded.model, loaded.layout,
+                                                    lambda layer, h: out.__setitem__(layer, h.clone())):
+            forward()
+        return out
+
+    base = get_module(loaded.model, loaded.layout.base)
+    plain = states(lambda: base(input_ids=ids, attention_mask=mask, **forward_kwargs(loaded.layout.head)))
+    reads = []
+    real_bool, real_fast_all = torch.Tensor.__bool__, masking_utils.fast_all
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append("bool") or real_bool(t))
+    monkeypatch.setattr(masking_utils, "fast_all", lambda t: reads.append("fast_all") or real_fast_all(t))
+    fwd = run.base_forward(loaded, run_settings.Settings())
+    ours = states(lambda: fwd(ids, mask))
+    monkeypatch.undo()
+    assert reads == []
+    assert plain.keys() == ours.keys() and len(plain) >= 3
+    for layer in plain:
+        assert torch.equal(plain[layer], ours[layer]), layer
+    assert masking_utils._ignore_causal_mask_sdpa is not None and masking_utils._ignore_causal_mask_sdpa.__name__ != "_never"

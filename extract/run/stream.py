@@ -8,6 +8,7 @@ layer's output to the sums."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -22,12 +23,13 @@ from common.progress import progress
 from ..accumulate import Moments, Sample, TokenSums
 from ..architectures import get_module
 from ..hooks import capture_layers, layer_kinds
+from ..masks import known_padding
 from ..memory import available_memory
 from ..models import Loaded, forward_kwargs
 from ..sequences import WindowMeasures
 from ..sources import (ReadStats, SentenceSplitter, Source, indexed_documents, position_keys, source_salt,
                        split_documents, split_source)
-from ..staging import Prefetch
+from ..staging import Prefetch, stage
 from .settings import Settings, SourceResult
 from .windows import Batcher, Windower, batch_limits, batches, windows
 
@@ -85,10 +87,12 @@ def base_forward(loaded: Loaded, settings: Settings):
     device = settings.device
 
     def run(input_ids: torch.Tensor, mask: torch.Tensor | None) -> None:  # (B, T) each, on the host
-        if mask is not None and MASK_ONLY_WITH_PADDING and bool(mask.all()):  # a host tensor: no device sync
+        if mask is not None and MASK_ONLY_WITH_PADDING and mask.numpy().all():  # a host tensor: no device sync
             mask = None  # no padding: no mask, so transformers' mask code has nothing to test on the device
-        base(input_ids=input_ids.to(device, non_blocking=True),
-             attention_mask=None if mask is None else mask.to(device, non_blocking=True), **kwargs)
+        # padding, known here: transformers' checks of the device mask answered from the host (masks.py)
+        with known_padding() if mask is not None and MASK_ONLY_WITH_PADDING else contextlib.nullcontext():
+            base(input_ids=input_ids.to(device, non_blocking=True),
+                 attention_mask=None if mask is None else mask.to(device, non_blocking=True), **kwargs)
 
     return run
 
@@ -212,6 +216,7 @@ def accumulate_split(loaded: Loaded, source: Source, settings: Settings) -> list
         return parts[value]
 
     def run(part: SplitPart, batch) -> None:
+        batch = stage(batch, settings.device)  # pinned on CUDA, so the copies to the device do not wait
         current[0] = part.acc
         t = time.perf_counter()
         bar.update(forward_batch(forward, part.acc, batch, part.salt, part.result))
