@@ -6,6 +6,7 @@ without padding) and `doctor`."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from extract.accumulate import kernels, matmul
+from extract.accumulate import fused, kernels, matmul
 from extract.accumulate import moments as moments_module
 from extract.accumulate.moments import Moments
 from extract.accumulate.sums import TokenSums
@@ -563,3 +564,32 @@ def test_a_padded_batch_reads_nothing_of_its_device_mask_and_gives_the_same_stat
     for layer in plain:
         assert torch.equal(plain[layer], ours[layer]), layer
     assert masking_utils._ignore_causal_mask_sdpa is not None and masking_utils._ignore_causal_mask_sdpa.__name__ != "_never"
+
+
+@pytest.mark.skipif(not fused.available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="Triton is not installed, or neither a GPU nor its interpreter")
+@pytest.mark.parametrize("vocab, dot", [(7, True), (300, False)])
+def test_the_triton_kernels_equal_the_eager_path_and_the_float64_moments(vocab, dot, monkeypatch):
+    """fused.py's four kernels, run in Triton's interpreter on the CPU: the token sums and counts (runs
+    of one type inside a block of rows and across blocks: 7 types; mostly single rows: 300; each run's
+    total by tl.dot and by the broadcast sum), Σh, Σû², window cosines, NaN/inf and zero vectors equal
+    the eager path's; the rows, n and Σh they hand the moments give float64 moments equal to the
+    eager path's; B = 1, T = 1, several blocks of rows, windows and columns (d = 40) included."""
+    L, d = 2, 40
+    monkeypatch.setattr(fused, "BLOCK_D", 32)  # small blocks: several of each in tiny batches
+    monkeypatch.setattr(fused, "BLOCK_B", 4)
+    monkeypatch.setattr(fused, "SLOTS_DOT", [dot])
+    gen = torch.Generator().manual_seed(3)
+    eager = TokenSums(L, vocab, d, "cpu")
+    tri = TokenSums(L, vocab, d, "cpu", triton=True)
+    assert tri.paths == {"layer_step": "triton", "scatter": "segmented"} and eager._triton is False
+    for acc in (eager, tri):
+        acc.moments = Moments(L, d, "cpu", precision="float64", background=False)
+    _feed([eager, tri], [(3, 11), (1, 1), (2, 40), (5, 3)], vocab, d, L, gen)
+    assert tri._triton_once and tri.paths["layer_step"] == "triton"
+    _assert_same(eager, tri, L)
+    assert int(tri.nonfinite.sum()) > 0 and int(tri.zero.sum()) > 0 and int(tri.windows.sum()) > 0
+    assert torch.equal(eager.moments.n, tri.moments.n)
+    assert torch.allclose(eager.moments.s1, tri.moments.s1, rtol=1e-13, atol=1e-12)
+    for layer in range(L):
+        assert np.allclose(eager.moments.s2(layer), tri.moments.s2(layer), rtol=1e-13, atol=1e-12)
