@@ -1,6 +1,6 @@
 """Benchmark: the bf16 moments' error against float64 products of the same bf16 rows, raw rows
-against centred hi+lo rows (`Moments._add_bf16`), on the real all-MiniLM-L6-v2 in bf16 and on
-synthetic rows with a given ‖μ‖²/tr C.  Runs on the CPU (the same exact products as a GPU's tensor
+against centred hi+lo rows (`Moments._add_bf16`), on the real all-MiniLM-L6-v2 in bf16, on
+synthetic rows with a given ‖μ‖²/tr C, and on trained-like rows with two massive dimensions.  Runs on the CPU (the same exact products as a GPU's tensor
 cores, float32 accumulation in another order).
 
     python bench/bench_bf16_precision.py
@@ -30,6 +30,7 @@ from extract.accumulate.moments import Moments  # noqa: E402
 def feed(batches, L: int, d: int, ratio_cut: float, chunk: int):
     m = Moments(L, d, "cpu", cross=True, precision="bfloat16", background=False)
     m.SPLIT_RATIO = ratio_cut
+    m.SPLIT_DIM_RATIO = float("inf") if ratio_cut == float("inf") else m.SPLIT_DIM_RATIO
     m.CHUNK_BF16 = chunk
     for hs, ok in batches:
         for layer, h in enumerate(hs):
@@ -91,6 +92,28 @@ def synthetic(ratio: float, d: int, rows: int, L: int = 2, batch: int = 4096, se
     return out
 
 
+def massive(d: int, rows: int, big: float, n_big: int = 2, L: int = 2, batch: int = 4096, seed: int = 0):
+    """A trained-like layer: rows h = μ + z as in `synthetic` with a small mean (0.3 σ per dimension), but
+    `n_big` massive dimensions whose mean is `big` (σ 1 there): max μ_i²/max C_ii ≈ big² while ‖μ‖²/tr C
+    stays small at a large d."""
+    g = torch.Generator().manual_seed(seed)
+    sig = torch.logspace(0, -1, d, dtype=torch.float64)
+    mus = []
+    for _ in range(L):
+        mu = torch.randn(d, generator=g, dtype=torch.float64) * 0.3 * sig
+        mu[:n_big] = big
+        mus.append(mu)
+    s = sig.clone()
+    s[:n_big] = 1.0
+    out = []
+    for a in range(0, rows, batch):
+        k = min(batch, rows - a)
+        ok = torch.rand(k, generator=g) > 0.01
+        out.append(([((mu + torch.randn(k, d, generator=g, dtype=torch.float64) * s).bfloat16()
+                      .masked_fill(~ok[:, None], 0)) for mu in mus], ok))
+    return out
+
+
 def minilm(tokens: int, batch_tokens: int = 4096):
     """bf16 hidden states (embeddings + 6 blocks) of all-MiniLM-L6-v2 over the repository's docs."""
     from transformers import AutoModel, AutoTokenizer
@@ -125,6 +148,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=20_000)
     ap.add_argument("--chunk", type=int, default=Moments.CHUNK_BF16, help="rows per bf16 product")
     ap.add_argument("--minilm-tokens", type=int, default=20_000)
+    ap.add_argument("--massive-d", type=int, default=2048, help="d of the trained-like rows (massive dimensions)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, rows per product {args.chunk}, SPLIT_RATIO {Moments.SPLIT_RATIO:g}")
@@ -133,6 +157,9 @@ def main() -> None:
     for ratio in (1, 10, 100, 1e3, 1e4):
         report(f"synthetic d {args.d}, {args.rows} rows, ratio {ratio:g}", synthetic(ratio, args.d, args.rows),
                2, args.d, args.chunk)
+    for big in (5, 8, 10, 15, 25):  # massive activations: max mu_i^2 / max C_ii ≈ big²
+        report(f"massive d {args.massive_d}, {args.rows} rows, 2 dims of mean {big:g}",
+               massive(args.massive_d, args.rows, big), 2, args.massive_d, args.chunk)
 
 
 if __name__ == "__main__":

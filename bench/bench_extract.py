@@ -190,7 +190,7 @@ def main() -> None:
             if into is acc:
                 seen.append(i)
 
-        t_bare = t_ext = 0.0
+        t_bare = t_ext = c_bare = c_ext = 0.0  # wall and CPU seconds (process CPU: every thread)
         cuda = args.device.startswith("cuda")
         with torch.inference_mode():
             if cuda:
@@ -212,14 +212,16 @@ def main() -> None:
                 for i in range(len(batches)):
                     for fn in (bare, extract):
                         sync()
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         fn(i)
                         sync()
-                        dt = time.perf_counter() - t0
+                        dt, dc = time.perf_counter() - t0, time.process_time() - c0
                         if fn is bare:
                             t_bare += dt
+                            c_bare += dc
                         else:
                             t_ext += dt
+                            c_ext += dc
         tokens = args.repeats * args.batches * args.batch * args.seq
         print(f"model: {args.arch} hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
               f"{args.device} {args.dtype}; threads {torch.get_num_threads()}; "
@@ -230,6 +232,8 @@ def main() -> None:
         print(f"bare forward : {tokens / t_bare:10.0f} tok/s  ({t_bare:.2f} s)")
         print(f"extraction   : {tokens / t_ext:10.0f} tok/s  ({t_ext:.2f} s)")
         print(f"ratio (extraction time / bare time): {t_ext / t_bare:.3f}")
+        print(f"CPU seconds (all threads): bare {c_bare:.2f}, extraction {c_ext:.2f}, ratio {c_ext / max(c_bare, 1e-9):.3f}; "
+              f"load average {' '.join(open('/proc/loadavg').read().split()[:3]) if Path('/proc/loadavg').exists() else '?'}")
         print(f"token types seen: {acc.used} (+{len(acc.spills)} spills); accumulator tables "
               f"{acc.table_bytes() / 2**30:.2f} GiB (peak {acc.peak_bytes / 2**30:.2f} GiB; dense would be "
               f"{len(kinds) * args.vocab * args.hidden * 8 / 2**30:.1f} GiB)")

@@ -310,7 +310,7 @@ def test_bf16_moments_error_is_bounded_whatever_the_mean():
     batches = [([h.masked_fill(~ok[:, None], 0) for h in hs], ok) for hs, ok in batches]
     ms = {name: Moments(L, d, "cpu", precision="bfloat16", background=bg) for name, bg in
           (("inline", False), ("thread", True), ("raw", False))}
-    ms["raw"].SPLIT_RATIO = float("inf")
+    ms["raw"].SPLIT_RATIO = ms["raw"].SPLIT_DIM_RATIO = float("inf")
     for m in ms.values():
         m.CHUNK_BF16 = 1024
     exact = Moments(L, d, "cpu", precision="float64", background=False)
@@ -320,7 +320,7 @@ def test_bf16_moments_error_is_bounded_whatever_the_mean():
                 m.add(layer, h, ok)
     inline, thread, raw = ms["inline"], ms["thread"], ms["raw"]
     assert inline._split == [False, True, False] and raw._split == [False, False, False]
-    assert inline.paths["moments_rows"] == "centred hi+lo in layers [1] (|mu|^2/tr C > 1), raw elsewhere"
+    assert inline.paths["moments_rows"] == "centred hi+lo in layers [1] (|mu|^2/tr C > 1 or max mu_i^2/max C_ii > 64), raw elsewhere"
     assert raw.paths["moments_rows"] == "raw" and 500 < inline._ratio[1] < 2000
 
     def cov_error(m, layer):
@@ -362,7 +362,7 @@ def test_bf16_raw_rows_lose_a_dominant_means_covariance_on_every_cpu():
     batches = [([h[0]], ok) for h, ok in synthetic(1e5, d, 3000, L=L, batch=1500, seed=6)]
     batches = [([h.masked_fill(~ok[:, None], 0) for h in hs], ok) for hs, ok in batches]
     split, raw = (Moments(L, d, "cpu", precision="bfloat16", background=False) for _ in range(2))
-    raw.SPLIT_RATIO = float("inf")
+    raw.SPLIT_RATIO = raw.SPLIT_DIM_RATIO = float("inf")
     exact = Moments(L, d, "cpu", precision="float64", background=False)
     for m in (split, raw):
         m.CHUNK_BF16 = 1024
@@ -593,3 +593,26 @@ def test_the_triton_kernels_equal_the_eager_path_and_the_float64_moments(vocab, 
     assert torch.allclose(eager.moments.s1, tri.moments.s1, rtol=1e-13, atol=1e-12)
     for layer in range(L):
         assert np.allclose(eager.moments.s2(layer), tri.moments.s2(layer), rtol=1e-13, atol=1e-12)
+
+
+def test_a_massive_dimension_centres_a_layer_whose_trace_ratio_is_small():
+    """A trained-like layer: one dimension's mean (a massive activation) dominates the largest
+    variance (max μ_i²/max C_ii ≈ 80) while ‖μ‖²/tr C < 1: its bf16 rows are centred and split, and
+    the covariance is within 1e-6 of the largest entry; without the massive dimension, raw rows."""
+    d, rows = 512, 4096
+    g = torch.Generator().manual_seed(7)
+    sig = torch.logspace(0, -1, d, dtype=torch.float64)
+    for big, split in ((9.0, True), (0.0, False)):
+        mu = torch.randn(d, generator=g, dtype=torch.float64) * 0.3 * sig
+        mu[0] = big
+        h = (mu + torch.randn(rows, d, generator=g, dtype=torch.float64) * sig).bfloat16()
+        ok = torch.ones(rows, dtype=torch.bool)
+        m = Moments(1, d, "cpu", cross=False, precision="bfloat16", background=False)
+        exact = Moments(1, d, "cpu", cross=False, precision="float64", background=False)
+        m.add(0, h, ok)
+        exact.add(0, h, ok)
+        assert (m._split, m._ratio[0] < 1, m._dim_ratio[0] > 64) == ([split], True, split), (m._ratio, m._dim_ratio)
+        n = float(exact.n[0])
+        mean = exact.s1[0].numpy() / n
+        C64 = exact.s2(0) / n - np.outer(mean, mean)
+        assert np.abs(m.s2(0) / n - np.outer(mean, mean) - C64).max() <= 1e-6 * np.abs(C64).max()

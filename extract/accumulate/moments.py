@@ -79,8 +79,10 @@ class Moments:
         self._chunked = self._shifted and dev.type == "cpu"
         self._bufs = [torch.empty(0, dtype=self._dtype, device=dev) for _ in range(2)]  # layers alternate
         self._pair = torch.empty(0, dtype=torch.bfloat16, device=dev)  # bfloat16: (M, 2d), layers alternate halves
+        self._split_bufs = [torch.empty(0, 0, dtype=torch.bfloat16, device=dev) for _ in range(2)]  # hi | lo
         self._split: list[bool | None] = [None] * n_layers  # bf16: centred hi+lo rows (decided at the first batch)
         self._ratio: list[float | None] = [None] * n_layers  # bf16: the first batch's ‖μ‖²/tr C per layer
+        self._dim_ratio: list[float | None] = [None] * n_layers  # and its max μ_i² / max C_ii
         self._pair_rows_of: list = [None, None]  # bf16: which (layer, rows) each half of the pair buffer holds
         self._pair_ok = False
         self._tensor_cores = dev.type == "cuda"  # bf16 products with a float32 output, where torch has them
@@ -239,7 +241,7 @@ class Moments:
                 self._prev = (layer, M, ok, parts, h)
             for a in range(0, M, self.CHUNK_BF16):
                 P = [x[a: a + self.CHUNK_BF16] for x in parts]  # (k, d) each
-                self._s2[layer] += self._gram(P, P)
+                self._add_sym(self._s2[layer], P)
                 if paired:
                     self._cross[layer - 1] += self._gram([x[a: a + self.CHUNK_BF16] for x in prev[3]], P)
             if self._cross is not None:  # a later raw layer pairs with this one through the buffer
@@ -260,36 +262,78 @@ class Moments:
                 self._s2[layer] += mm_bf16(x.T, x, self._out_dtype)  # (d, d)
 
     SPLIT_RATIO = 1.0  # ‖μ‖²/tr C above which a layer's bf16 rows are centred and split (see _add_bf16)
+    # max_i μ_i² / max_i C_ii above which they are too: a few massive dimensions whose mean dominates
+    # the largest variance, though not the trace (a trained model's massive activations).  The raw
+    # rows' error grows like 3–7e-8 times this ratio (docs/performance.md): ≤ ~4e-6 of the largest
+    # covariance entry below it
+    SPLIT_DIM_RATIO = 64.0
 
     def _decide(self, layer: int, h: torch.Tensor, s: torch.Tensor, n: torch.Tensor) -> None:
-        """A layer's first batch: raw or centred-and-split rows, from its ‖μ‖²/tr C (one host read)."""
+        """A layer's first batch: raw or centred-and-split rows, from its ‖μ‖²/tr C and max μ_i²/max C_ii
+        (one host read)."""
         k = n.clamp(min=1).double()
         mu = s / k  # (d,)
-        q = h.double().square().sum() / k  # mean ‖h‖² over the counted rows (zeroed rows add nothing)
-        mu2 = mu.square().sum()
-        ratio = float(mu2 / (q - mu2).clamp_min(1e-300))
+        q = h.double().square().sum(0) / k  # (d,) mean h_i² over the counted rows (zeroed rows add nothing)
+        mu2 = mu.square()
+        both = torch.stack([mu2.sum() / (q.sum() - mu2.sum()).clamp_min(1e-300),
+                            mu2.max() / (q - mu2).max().clamp_min(1e-300)])
+        ratio, dim_ratio = both.tolist()
         self._ratio[layer] = ratio
-        self._split[layer] = ratio > self.SPLIT_RATIO
+        self._dim_ratio[layer] = dim_ratio
+        self._split[layer] = ratio > self.SPLIT_RATIO or dim_ratio > self.SPLIT_DIM_RATIO
         if self._split[layer]:
             self._c[layer] = mu.to(torch.bfloat16).float()  # a bf16 value: h − c is exact in float32
             split = [i for i, x in enumerate(self._split) if x]
-            self.paths["moments_rows"] = f"centred hi+lo in layers {split} (|mu|^2/tr C > {self.SPLIT_RATIO:g}), raw elsewhere"
+            self.paths["moments_rows"] = (f"centred hi+lo in layers {split} (|mu|^2/tr C > {self.SPLIT_RATIO:g} or "
+                                          f"max mu_i^2/max C_ii > {self.SPLIT_DIM_RATIO:g}), raw elsewhere")
 
     def _parts(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rows as they go into the products: (h,), or the centred rows' bf16 parts (hi, lo), views
+        of one (M, 2d) buffer per layer parity (the previous layer's parts stay for its cross moment)."""
         if not self._split[layer]:
             return (h,)
+        M, d = h.shape
+        buf = self._split_bufs[layer % 2]
+        if buf.shape[0] < M or buf.shape[1] != 2 * d:
+            buf = self._split_bufs[layer % 2] = torch.empty(M, 2 * d, dtype=torch.bfloat16, device=h.device)
+        hi, lo = buf[:M, :d], buf[:M, d:]
         x = torch.where(ok.unsqueeze(1), h.float() - self._c[layer], 0.0)  # (M, d) float32, exact
-        hi = x.to(torch.bfloat16)
-        lo = (x - hi.float()).to(torch.bfloat16)  # x − hi exact in float32; |lo| ≤ 2⁻⁹|x|
+        hi.copy_(x)  # rounded to bf16
+        lo.copy_(x.sub_(hi))  # x − hi exact in float32; |lo| ≤ 2⁻⁹|x|
         return hi, lo
 
+    PANELS = 4  # row panels of a bf16 Gram matrix's upper triangle: 5/8 of a full product's multiply-adds
+
+    def _add_sym(self, S: torch.Tensor, P: list[torch.Tensor]) -> None:
+        """S (d, d) float64 += the upper triangle of xᵀx (`s2` reads no more), for x the rows (k, d) or
+        the sum of their parts hi + lo: by row panels, each panel's products summed in float32 and
+        folded once — hiᵀhi + loᵀlo by panels, hiᵀlo once in full for its transpose's share (2.25 k·d²
+        multiply-adds for split rows, 0.625 k·d² for raw ones; products of views, no copies)."""
+        mm = lambda a, b: mm_bf16(a, b, self._out_dtype)  # noqa: E731
+        if len(P) == 1:
+            x = P[0]
+            add_gram_upper(S, lambda a, b: mm(x[:, a:b].T, x[:, a:]), self.PANELS)
+            return
+        hi, lo = P
+        cross = mm(hi.T, lo)  # (d, d) float32: hiᵀlo, and loᵀhi as its transpose
+
+        def block(a, b):  # rows a:b of the upper triangle's panel of Σ x xᵀ, (b − a, d − a)
+            out = mm(hi[:, a:b].T, hi[:, a:])
+            out += mm(lo[:, a:b].T, lo[:, a:])
+            out += cross[a:b, a:]
+            out += cross[a:, a:b].T
+            return out
+
+        add_gram_upper(S, block, self.PANELS)
+
     def _gram(self, A: list[torch.Tensor], B: list[torch.Tensor]) -> torch.Tensor:
-        """Σ_{p, q} A_pᵀ B_q, (d, d) float32, as one product over the parts stacked along the rows."""
-        if len(A) == 1 and len(B) == 1:
-            return mm_bf16(A[0].T, B[0], self._out_dtype)
-        left = torch.cat([a for a in A for _ in B])  # (|A||B| k, d)
-        right = torch.cat([b for _ in A for b in B])
-        return mm_bf16(left.T, right, self._out_dtype)
+        """Σ_{p, q} A_pᵀ B_q, (d, d) float32: one product per pair of parts (views, no copies)."""
+        out = None
+        for a in A:
+            for b in B:
+                p = mm_bf16(a.T, b, self._out_dtype)
+                out = p if out is None else out.add_(p)
+        return out
 
     def _pair_fill(self, layer: int, h: torch.Tensor):
         """The layer's raw rows into its half of the pair buffer; returns (buffer rows, its half's
