@@ -1,5 +1,5 @@
 """What extract_model / probe_isotropy cost on a Pythia-70M-shaped random model on the CPU: the weights
-fingerprint (blake2b over the state_dict), and one probe's phases (parameter tables, forward, write, commit).
+fingerprint (sha256 of every state_dict tensor, extract/fingerprint.py), and one probe's phases (parameter tables, forward, write, commit).
 
 Run: PYTHONPATH=$PWD OMP_NUM_THREADS=1 python bench/bench_api.py [--tokens 5000]
 """

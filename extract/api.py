@@ -7,9 +7,9 @@ runs where it is (its device and dtype, never cast or moved) in eval mode under 
 global RNG states are restored afterwards, and every module's train/eval flag is put back: the model
 is left as it was (requires_grad, .grad, weights and the user's own hooks untouched; ours are removed).
 
-Its identity in the provenance (`model_revision`, `weights`) is a fingerprint of its weights,
-`weights_fingerprint`: blake2b over every state_dict tensor's name, dtype, shape and bytes in
-state_dict order (a tied tensor once).
+Its identity in the provenance (`model_revision`, `weights`, `model_identity`) is the tensor
+fingerprint of its weights, `weights_fingerprint`: every state_dict tensor's name, dtype, shape and
+bytes (a tied tensor once), as extract/fingerprint.py hashes a checkpoint's files.
 
 `probe_isotropy(model, tokenizer, source, warehouse, name=…, step=…)` is the same pass for a
 training loop: checkpoint `step{step}`, at most `max_tokens` of the source, and it returns a few
@@ -20,7 +20,6 @@ as a `transformers.TrainerCallback`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from warehouse.storage import open_storage
 
 from .architectures import discover, text_config
 from .declared import RUN_NAMES, defaults as declared_defaults
+from .fingerprint import state_dict_fingerprint
 from .launch import Launch
 from .models import DTYPES, Loaded, ModelRef, forward_kwargs, head_of, parse_step, special_template
 from .sources import NAME_RE, parse_shard
@@ -74,25 +74,12 @@ def unwrap(model) -> torch.nn.Module:
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """blake2b-128 over the state_dict: each tensor's name, dtype, shape and bytes in state_dict order
-    (a tensor shared by two names — tied embeddings — hashed once, the second name pointing at the
-    first).  Copies one tensor at a time to the host; measured in docs/extract.md."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(type(model).__name__.encode() + b"\n")
-    seen: dict[tuple, str] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        t = t.detach()
-        ident = (t.device, t.untyped_storage().data_ptr() if t.numel() else 0, t.storage_offset(), t.dtype,
-                 tuple(t.shape), t.stride())
-        if t.numel() and ident in seen:
-            h.update(f"{name}={seen[ident]}\n".encode())
-            continue
-        seen[ident] = name
-        h.update(f"{name}\0{str(t.dtype)}\0{tuple(t.shape)}\n".encode())
-        if t.numel():
-            flat = t.contiguous().reshape(-1)
-            h.update(flat.view(torch.uint8).cpu().numpy())  # the bytes as they are (a host copy only off the CPU)
-    return "blake2b " + h.hexdigest()
+    """The tensor fingerprint of the model's weights (`tensors <hex>`, extract/fingerprint.py): every
+    state_dict tensor's name, dtype, shape and bytes (a tensor tied to an earlier name once).  The
+    same as the fingerprint of a file holding exactly those tensors under those names; a checkpoint
+    directory's differs where loading renames keys or drops tensors.  Copies one tensor at a time
+    to the host; measured in docs/extract.md."""
+    return state_dict_fingerprint(model.state_dict(keep_vars=True))
 
 
 def _head(model: torch.nn.Module) -> str:

@@ -162,6 +162,10 @@ OPTIONS: tuple[Option, ...] = (
     _option("skip_done", "flag", False, "storage",
             help="Keep runs already in the warehouse with the same settings and data (resume a sweep) instead of "
                  "replacing them."),
+    _option("skip_twins", "flag", False, "storage",
+            help="Skip a checkpoint whose weights (every tensor's name, dtype, shape and bytes) equal those of another "
+                 "checkpoint of this model already in the warehouse; without it such a checkpoint is run, with a warning "
+                 "(the checkpoint_twins view lists them; e.g. hub branches that serve the final weights)."),
     _option("replace", "flag", False, "storage",
             help="Drop committed partials this run conflicts with instead of refusing: shards of its sources that "
                  "overlap its shard without being covered by it (a new sharding), shards of another version of a "
@@ -231,3 +235,13 @@ def defaults() -> dict:
 def default(name: str):
     """One option's default."""
     return BY_NAME[name].value_default
+
+# Result settings whose values may differ between the partials of one source: which documents and
+# tokens a partial counts (`shard`, `max_tokens`) and which tables it writes (a fold keeps a table only
+# where every partial of the group has it).  Every other result setting is an identity setting.
+MIXABLE_SETTINGS = ("shard", "max_tokens", "moments", "cross_moments", "sequences", "prompt_entropy", "sample")
+
+# Settings that make a partial what it is: a data entry records each one's value under `identity`
+# (extract/run/provenance.py), and the warehouse never folds partials of one source whose recorded
+# values differ (warehouse/merge/identity.py).  A new result setting is one unless listed above.
+IDENTITY_SETTINGS = tuple(k for k in RESULT_SETTINGS if k not in MIXABLE_SETTINGS)

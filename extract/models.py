@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .architectures import Layout, discover, get_module, text_config
+from .fingerprint import hub_snapshot, tensor_fingerprint
 from common.errors import UserError
 
 PYTHIA_SIZES = ("14m", "31m", "70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b", "12b")
@@ -203,45 +204,19 @@ def weights_id(where: str, revision_hash: str | None, local: bool) -> str | None
     return f"{Path(where).resolve()} {h.hexdigest()}"
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
-_SAMPLE, _SAMPLES, _HEAD = 1 << 16, 16, 1 << 20  # bytes per sample, samples per file, bytes read whole at the start
-
-
-def content_fingerprint(directory: Path) -> str | None:
-    """blake2b of a directory's weight files (*.safetensors, *.bin, *.pt): each file's name and size,
-    its first MiB (a safetensors header: every tensor's name, dtype, shape and offsets), 16 blocks of
-    64 KiB at evenly spaced offsets and its last 64 KiB — a whole file when it is smaller than that
-    (about 2 MiB read per file, whatever its size).  The same bytes from any path give the same
-    fingerprint; two trainings of one architecture differ in every sampled block.  None: no weights."""
-    files = sorted(f for f in Path(directory).iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
-    if not files:
-        return None
-    h = hashlib.blake2b(digest_size=16)
-    for f in files:
-        size = f.stat().st_size
-        h.update(f"{f.name}\0{size}\n".encode())
-        with open(f, "rb") as fh:
-            if size <= _HEAD + (_SAMPLES + 1) * _SAMPLE:
-                for chunk in iter(lambda: fh.read(1 << 22), b""):
-                    h.update(chunk)
-                continue
-            h.update(fh.read(_HEAD))
-            for k in range(_SAMPLES):
-                fh.seek(_HEAD + (size - _HEAD - _SAMPLE) * k // _SAMPLES)
-                h.update(fh.read(_SAMPLE))
-            fh.seek(size - _SAMPLE)
-            h.update(fh.read(_SAMPLE))
-    return "weights " + h.hexdigest()
-
-
 def model_identity(ref: ModelRef, checkpoint: str, revision_hash: str | None = None) -> str | None:
-    """What the warehouse compares to tell two models under one name apart (per checkpoint): the hub
-    commit of a hub model (known once loaded: `revision_hash`), a local checkpoint directory's
-    `content_fingerprint` (known before loading)."""
-    if not ref.local:
-        return f"commit {revision_hash}" if revision_hash else None
-    where, _ = _where(ref, checkpoint)
-    return content_fingerprint(Path(where))
+    """What the warehouse compares to tell two weights under one name apart (per checkpoint), and
+    what tells twin checkpoints apart: the tensor fingerprint (extract/fingerprint.py) of a local
+    checkpoint directory (known before loading) or of a hub model's files in the hub cache (once
+    loaded: `revision_hash` is the commit); a hub model whose files are not in the cache: its commit."""
+    if ref.local:
+        where, _ = _where(ref, checkpoint)
+        return tensor_fingerprint(Path(where))
+    if not revision_hash:
+        return None
+    snapshot = hub_snapshot(ref.location, revision_hash)
+    found = tensor_fingerprint(snapshot) if snapshot is not None else None
+    return found or f"commit {revision_hash}"
 
 
 def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,

@@ -95,7 +95,7 @@ def make_settings(o: dict, launch: Launch, cuda_available: bool):
                     batch_size=o["batch_size"], batch_tokens=o["batch_tokens"], device=device, dtype=dtype,
                     shard=launch.shard, read_shard=launch.reads, vector_dtype=o["vector_dtype"], trust_remote_code=o["trust_remote_code"],
                     params_only=o["params_only"], accumulator_device=o["accumulator_device"],
-                    skip_done=o["skip_done"], moments=o["moments"], cross_moments=o["cross_moments"],
+                    skip_done=o["skip_done"], skip_twins=bool(o.get("skip_twins")), moments=o["moments"], cross_moments=o["cross_moments"],
                     moments_precision=precision, sequences=bool(o["sequences"] or o["prompt_entropy"]),
                     prompt_entropy=o["prompt_entropy"], sample=o["sample"], special_tokens=o["special_tokens"],
                     memory_budget=budget, spill_dir=str(o["spill_dir"]) if o["spill_dir"] else None,

@@ -33,7 +33,8 @@ def _launcher() -> tuple[str, ...]:
 
 class _Notes:
     """Warnings the warehouse raises while a command reads it (partials pending a fold), each printed
-    once as a one-line `note:` on stderr, not as a Python warning."""
+    once as a one-line `note:` on stderr, not as a Python warning; steps that failed after a commit's
+    record (store.AfterRecord: the commit landed) as one `warning:` line."""
 
     def __enter__(self):
         import warnings
@@ -44,10 +45,30 @@ class _Notes:
         return self
 
     def __exit__(self, *exc):
+        from warehouse.store import AfterRecord, after_record_line
+
         self._cm.__exit__(*exc)
-        for line in dict.fromkeys(str(w.message) for w in self._seen):
+        after = [w.message for w in self._seen if isinstance(w.message, AfterRecord)]
+        for line in dict.fromkeys(str(w.message) for w in self._seen if not isinstance(w.message, AfterRecord)):
             typer.echo(f"note: {line}", err=True)
+        if after:
+            typer.echo(f"warning: {after_record_line(after)}", err=True)
         return False
+
+
+def _refresh_after_commit(st) -> int:
+    """views.sql and the other derived files after a command's commits; returns the generation.  On
+    a full disk an AfterRecord warning (the commits landed; any query rewrites them)."""
+    import warnings
+
+    from warehouse.query import refresh_companions
+    from warehouse.store import AfterRecord, read_state
+
+    try:
+        refresh_companions(st)
+    except OSError as e:
+        warnings.warn(AfterRecord(read_state(st)[0], "views", e))
+    return read_state(st)[0]
 
 
 def fail(message: str) -> None:
@@ -243,7 +264,8 @@ def validate(
         st = open_storage(warehouse, must_exist=True)
         if purge:
             run_purge(st, say=typer.echo)
-        problems = run_validate(st, fix, grace_s, say=lambda line: typer.echo(line, err=True))
+        with _Notes():  # --fix's rebuilds commit: a step failing after their record is a warning
+            problems = run_validate(st, fix, grace_s, say=lambda line: typer.echo(line, err=True))
     except UserError as e:
         fail(str(e))
     for p in problems:
@@ -267,17 +289,18 @@ def merge_pending(
     Example: python cli.py merge --model pythia-1.4b --checkpoint step143000
     """
     from warehouse.merge import fold_pending
-    from warehouse.query import refresh_companions
     from warehouse.storage import open_storage
 
     try:
         st = open_storage(warehouse, must_exist=True)
         t = time.perf_counter()
-        n = fold_pending(st, model, checkpoint)
-        refresh_companions(st)
+        with _Notes():
+            n = fold_pending(st, model, checkpoint)
+            generation = _refresh_after_commit(st)
     except UserError as e:
         fail(str(e))
-    typer.echo(f"folded {n} pending partial(s) in {time.perf_counter() - t:.1f} s" if n else "nothing pending", err=True)
+    typer.echo(f"folded {n} pending partial(s) in {time.perf_counter() - t:.1f} s (generation {generation})"
+               if n else "nothing pending", err=True)
 
 
 @app.command()
@@ -293,19 +316,19 @@ def compact(
     Example: python cli.py compact --model pythia-1.4b --checkpoint step143000
     """
     from warehouse.merge import compact as run_compact
-    from warehouse.query import refresh_companions
     from warehouse.storage import open_storage
 
     try:
         st = open_storage(warehouse, must_exist=True)
-        res = run_compact(st, model, checkpoint)
-        refresh_companions(st)
+        with _Notes():
+            res = run_compact(st, model, checkpoint)
+            generation = _refresh_after_commit(st)
     except UserError as e:
         fail(str(e))
     b, a = res["before"], res["after"]
     per = lambda x: f"{x['bytes_per_cell']:.1f}" if x["bytes_per_cell"] is not None else "-"  # noqa: E731
     typer.echo(f"compacted {res['checkpoints']} checkpoint(s): token-level bytes {b['bytes']} -> {a['bytes']} "
-               f"({per(b)} -> {per(a)} B per (layer, token type), {a['cells']} cells)")
+               f"({per(b)} -> {per(a)} B per (layer, token type), {a['cells']} cells; generation {generation})")
 
 
 @app.command()

@@ -291,6 +291,7 @@ def test_a_dead_writers_files_are_quarantined_after_the_grace_period_and_purged(
     wh = copy(clean["before"], workdir / "rep-orphans")
     proc = run_subprocess(extract_args(clean["model"], sources, wh), fault="merge:1")  # files, no record
     assert proc.returncode == -9
+    shutil.rmtree(wh / "_inflight")  # no lease to prove the writer gone (tests/test_operator_faults.py: with one)
     orphans = files(wh)
     code, out, _ = run_cli("validate", "--warehouse", wh, "--fix")  # default grace 1 h: kept
     assert code == 1 and "younger than the grace period" in out and files(wh) == orphans
@@ -370,8 +371,9 @@ def test_any_changed_byte_of_any_file_is_reported(small, tmp_path_factory, which
         problems = validate(wh)
     except UserError:
         return  # one line (the log or a companion ahead of it)
-    if not problems:  # only a derived file whose change made it look behind the log: rewritten from the log
+    if not problems:  # only a derived file whose change made it look behind the log: --fix rewrites it
         assert str(rel) in ("manifest.json", "runs.parquet", "views.sql"), f"{rel}: byte {i} changed, validate ok"
+        assert validate(wh, fix=True) == []
         assert (wh / rel).read_bytes() == (small / rel).read_bytes()
 
 

@@ -8,14 +8,17 @@ What `--fix` does, and what it never does:
   commit record).  A damaged partial or parameter table cannot be rebuilt: one line names it and
   what to re-extract.
 * A file no entry lists (left by a killed run) is *moved* to `_quarantine/<stamp>/<rel path>`, never
-  deleted, and only when provably orphaned: older than the grace period (`grace_s`, default 1 hour)
-  AND not written under a run id whose lease (`_inflight/<run_id>.json`, warehouse.store.leases) is live.  The
-  listing of files is taken before the leases and the state are read, so a writer that committed
-  meanwhile is seen as committed, and one still in flight is seen by its lease.
-* It touches nothing when the commit log is unreadable, damaged, has a gap, or is behind a companion
-  (a lost record): those are one-line errors (exit 2) for every command.  A folder with `tables/`
-  but no commit record is refused too, unless every file there belongs to a run whose lease shows
-  it never committed (a first extract killed before its record).
+  deleted: at once when it is proven orphaned (its writer proven gone, a replaced file, a temporary
+  without a lease), else once older than the grace period (`grace_s`, default 1 hour) — never while
+  its run's lease (`_inflight/<run_id>.json`) is live.  The verdicts: warehouse/orphans.py.
+* The derived files (manifest.json, runs.parquet, views.sql) are rewritten from the log only by
+  --fix: without it validate writes nothing to the warehouse (it works on a full disk).  Derived
+  files ahead of a complete log (a copy taken during a commit: `store.DerivedAhead`) are rebuilt from
+  the log by --fix, which says so.
+* It touches nothing when the commit log is unreadable, damaged, has a gap, or a record is lost (a
+  companion ahead of a log that misses files): those are one-line errors (exit 2) for every
+  command.  A folder with `tables/` but no commit record is refused too, unless every file there
+  belongs to a run whose lease shows it never committed (a first extract killed before its record).
 
 `--purge` deletes what is in `_quarantine/` (the only deletion here), printing each path.
 """
@@ -26,6 +29,7 @@ import datetime as _dt
 import json
 import re
 import secrets
+import shlex
 import time
 from typing import Callable
 
@@ -36,7 +40,7 @@ import pyarrow.parquet as pq
 from common import faults
 from common.errors import UserError
 
-from . import merge, query, schema, store
+from . import merge, orphans, query, schema, store
 from .storage import Storage, open_storage, verify
 from .store import Entry, Manifest
 
@@ -103,37 +107,68 @@ def purge(root, say: Callable[[str], None] = print) -> list[str]:
     return gone
 
 
-def _check_log(st: Storage, files: list[str], leases: dict) -> list[int]:
+def _check_log(st: Storage, files: list[str], leases: dict, ahead_ok: bool = False) -> list[dict]:
     """The commit log's records, every one readable and well-formed (byte for byte as publish wrote
-    it), contiguous, not behind a companion; a folder with tables/ but no record only if its files
-    are provably a killed first run's."""
-    seqs = store.latest_seqs(st, full=True)  # a gap or a lost latest record: one line, nothing touched
+    it), contiguous, not behind a companion (unless `ahead_ok`); a folder with tables/ but no record
+    only if its files are provably a killed first run's."""
+    seqs = store.latest_seqs(st, full=True, ahead_ok=ahead_ok)  # a gap or a lost record: one line, nothing touched
+    records = []
     for seq in seqs:
         rec = store.read_record(st, seq)  # a damaged record: one line naming it
         rel = f"{store.LOG_DIR}/{store.record_name(seq)}"
         if st.read_bytes(rel) != store.record_bytes(rec):  # e.g. a changed space: parses to the same
             raise UserError(f"{st.display(rel)}: damaged commit record (its bytes are not as written); "
                             f"{store.RESTORE_HINT}")
+        records.append(rec)
     if not seqs and files and not all(store.run_of(rel) in leases for rel in files):
         raise UserError(f"{st}: holds tables/ but no readable commit log ({store.LOG_DIR}/ missing or empty): "
                         "not a complete warehouse (a partial copy or restore?); nothing was changed — "
                         "restore _log/ or point --warehouse at the complete copy")
-    return seqs
+    return records
+
+
+def _rebuild_derived(root: Storage, say) -> None:
+    """--fix on derived files ahead of a complete log (store.DerivedAhead): rewritten from its state."""
+    seq, manifest = store.read_state(root, ahead_ok=True)
+    ahead = store.companions_ahead(root, seq, full=True)
+    store.write_companions(root, manifest)
+    query.write_views_file(root, manifest)
+    was = f" (written from generation {ahead[1]})" if ahead else ""
+    say(f"rebuilt manifest.json, runs.parquet and views.sql from the commit log (generation {seq}): they were "
+        f"ahead of it{was}, as in a copy taken during a commit")
+
+
+def _move(root: Storage, rel: str, stamp: str) -> bool:
+    """Move `rel` into the quarantine; False when it vanished meanwhile (a writer renamed it)."""
+    faults.hit("quarantine")
+    try:
+        root.move(rel, f"{store.QUARANTINE_DIR}/{stamp}/{rel}")
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def validate(root, fix: bool = False, grace_s: float = GRACE_S, say: Callable[[str], None] | None = None,
              now: float | None = None) -> list[str]:
-    """Problems found (after fixing what `fix` can: lost or damaged merged tables, orphans older than
-    the grace period, stale companions).  `say` gets notes that are not problems (what was moved,
-    files of writers in flight, files recorded without a checksum)."""
+    """Problems found (after fixing what `fix` can: lost or damaged merged tables, orphans (at once when
+    proven, else older than the grace period), derived files behind, unlike or ahead of the log).
+    `say` gets notes that are not problems (what was moved, files of writers in flight, files
+    recorded without a checksum).  Without `fix` nothing in the warehouse is written."""
     say = say or (lambda line: None)
     root = open_storage(root, must_exist=True)
-    # 1. the files, then the leases, then the state (in this order: see the module's docstring)
+    # 1. the files, then the leases, then the state (in this order: see warehouse/orphans.py)
     infos = root.list_infos("tables")
     infos += [i for i in root.list_infos(store.LOG_DIR) if i[0].rsplit("/", 1)[-1].startswith(".")]
     lease_infos = root.list_infos(store.INFLIGHT_DIR)
     leases = store.read_leases(root)
-    _check_log(root, [rel for rel, _, _ in infos if rel.startswith("tables/")], leases)
+    tables = [rel for rel, _, _ in infos if rel.startswith("tables/")]
+    try:
+        records = _check_log(root, tables, leases)
+    except store.DerivedAhead:
+        if not fix:
+            raise
+        _rebuild_derived(root, say)
+        records = _check_log(root, tables, leases)
     manifest = store.read_manifest(root)
     now = time.time() if now is None else now
 
@@ -154,42 +189,9 @@ def validate(root, fix: bool = False, grace_s: float = GRACE_S, say: Callable[[s
             "checksums were recorded): size and content not verified")
 
     # 3. files no entry lists: quarantined when provably orphaned
-    live = {run for run, info in leases.items() if info is None or store.lease_alive(info, grace_s, now)}
-    for run, info in leases.items():
-        if info is None:
-            problems.append(f"{store.lease_rel(run)}: unreadable lease (it protects run {run}'s files; "
-                            "remove it if no writer of that run is running)")
-    stamp = None
-    for rel, _, mtime in infos:
-        if rel in listed:
-            continue
-        run = store.run_of(rel)
-        if run in live:
-            say(f"note: {rel}: written by run {run}, still in flight (live lease): left alone")
-            continue
-        if now - mtime < grace_s:
-            problems.append(f"{rel}: not listed in the manifest, younger than the grace period ({grace_s:g} s): "
-                            "kept (a writer may still commit it; --fix quarantines it once older)")
-            continue
-        if not fix:
-            problems.append(f"{rel}: not listed in the manifest (left by an interrupted run; --fix moves it "
-                            f"to {store.QUARANTINE_DIR}/)")
-            continue
-        stamp = stamp or _stamp()
-        dest = f"{store.QUARANTINE_DIR}/{stamp}/{rel}"
-        faults.hit("quarantine")
-        root.move(rel, dest)
-        say(f"moved {rel} to {dest}")
-    for rel, _, mtime in lease_infos:  # leases of dead writers: bookkeeping only, quarantined likewise
-        run = rel.rsplit("/", 1)[-1].split(".json")[0].lstrip(".")
-        if run in live or now - mtime < grace_s:
-            continue
-        if fix:
-            stamp = stamp or _stamp()
-            faults.hit("quarantine")
-            root.move(rel, f"{store.QUARANTINE_DIR}/{stamp}/{rel}")
-        else:
-            problems.append(f"{rel}: lease of a writer that is gone (--fix moves it to {store.QUARANTINE_DIR}/)")
+    problems += _orphans(root, orphans.classify(infos, lease_infos, leases, listed,
+                                                orphans.once_listed(records) - listed, grace_s, now),
+                         fix, grace_s, say)
 
     # 4. merged tables: every one re-derived from its partials; --fix rebuilds the lost, damaged or wrong
     want = merge.expected_groups(manifest)
@@ -198,16 +200,55 @@ def validate(root, fix: bool = False, grace_s: float = GRACE_S, say: Callable[[s
     def rebuildable(k: str) -> bool:
         return k not in want or not {m["key"] for m in want[k][3]} & damaged
 
-    bad = merge.check(root, manifest)
+    try:
+        bad = merge.check(root, manifest)
+    except OSError as e:  # the fresh merges go to a temporary directory: a full disk there
+        problems.append(f"merged tables not re-derived from their partials: {' '.join(str(e).split())[:200]} "
+                        "(the fresh merges are written to the temporary directory: free space there or set TMPDIR)")
+        bad = []
     if fix:
         todo = sorted({k for k, _ in bad if rebuildable(k)})
         if todo:
             merge.rebuild(root, [k for k in todo if k in want])  # (groups without partials are dropped)
             for k in todo:
                 say(f"rebuilt the merged tables of {k} from its partials" if k in want else f"removed {k}")
+            query.refresh_companions(root)  # the rebuild's record: views.sql too
             return validate(root, fix=False, grace_s=grace_s, now=now)  # everything again, on the new record
     problems += [msg for k, msg in bad if k not in bad_entries]  # a damaged merged file: reported above
     problems += _companions(root, manifest, fix, say)
+    return problems
+
+
+def _orphans(root: Storage, found: orphans.Orphans, fix: bool, grace_s: float, say) -> list[str]:
+    """Report the files not listed and, with `fix`, move the proven ones and those older than the grace."""
+    problems = [f"{store.lease_rel(run)}: unreadable lease (it protects run {run}'s files; "
+                "remove it if no writer of that run is running)" for run in found.unreadable]
+    for run, rels in found.in_flight.items():
+        say(f"note: {len(rels)} file(s) of run {run}, e.g. {rels[0]}: still in flight (live lease: "
+            f"{found.in_flight_why[run]}): left alone")
+    for rel in found.young:
+        problems.append(f"{rel}: not listed in the manifest, younger than the grace period ({grace_s:g} s): "
+                        "kept (a writer may still commit it; --fix quarantines it once older)")
+    if not fix:
+        leases = f" with their {len(found.leases_gone)} lease(s)" if found.leases_gone else ""
+        if found.proven:
+            problems.append(orphans.proven_line(found.proven) + f"; --fix moves them{leases} to "
+                            f"{store.QUARANTINE_DIR}/ now")
+        problems += [f"{rel}: not listed in the manifest (left by an interrupted run; --fix moves it "
+                     f"to {store.QUARANTINE_DIR}/)" for rel in found.old]
+        problems += [f"{rel}: lease of a writer that is gone (--fix moves it to {store.QUARANTINE_DIR}/)"
+                     for rel in found.leases_old + (found.leases_gone if not found.proven else [])]
+        return problems
+    stamp = _stamp()
+    moved = [rel for rel, _ in found.proven if _move(root, rel, stamp)]
+    if moved:
+        say(f"moved {len(moved)} file(s) not listed in the manifest, of writers that can no longer commit them, "
+            f"to {store.QUARANTINE_DIR}/{stamp}/ ({orphans.proven_line(found.proven).split('(', 1)[1]}")
+    for rel in found.old:
+        if _move(root, rel, stamp):
+            say(f"moved {rel} to {store.QUARANTINE_DIR}/{stamp}/{rel}")
+    for rel in found.leases_gone + found.leases_old:
+        _move(root, rel, stamp)
     return problems
 
 
@@ -241,7 +282,14 @@ def _generation_of(rel: str, data: bytes) -> int | None:
         return None
 
 
-_LOCATION = re.compile(rb"'([^'\n]*?/)(?:tables/|runs\.parquet)")
+_LOCATION = re.compile(rb"'((?:[^'\n]|'')*?/)(?:tables/|runs\.parquet)")
+
+
+def _opened(location: bytes) -> bytes:
+    """views.sql's "Open with" command for a warehouse whose files its paths name under `location`
+    (as an SQL literal holds it: glob characters escaped, quotes doubled)."""
+    raw = query.glob_unescaped(location.decode("utf-8", "replace").replace("''", "'"))
+    return ("duckdb -init " + shlex.quote(raw + store.VIEWS_FILE)).encode()
 
 
 def _moved_only(got: bytes, want: bytes) -> bool:
@@ -252,15 +300,17 @@ def _moved_only(got: bytes, want: bytes) -> bool:
     have, where = set(_LOCATION.findall(got)), set(_LOCATION.findall(want))
     if len(have) != 1 or len(where) != 1:
         return False
-    return got.replace(have.pop(), where.pop()) == want
+    old, new = have.pop(), where.pop()
+    return got.replace(_opened(old), _opened(new)).replace(old, new) == want
 
 
 def _companions(root: Storage, manifest: Manifest, fix: bool, say) -> list[str]:
     """manifest.json, runs.parquet and views.sql against what the log says they hold.  Missing or
-    behind the log (a writer died between its record and them): rewritten, as every query does.
-    Claiming the latest generation (or none) but differing: reported, and rewritten by --fix.  Compared
-    byte for byte (runs.parquet too: a reader ignores e.g. its leading magic or its statistics; one
-    written by another pyarrow version is reported once and rewritten by --fix)."""
+    behind the log (a writer died or failed between its record and them): a note, and rewritten by
+    --fix (a query rewrites them too).  Claiming the latest generation (or none) but differing:
+    reported, and rewritten by --fix.  Compared byte for byte (runs.parquet too: a reader ignores
+    e.g. its leading magic or its statistics; one written by another pyarrow version is reported once
+    and rewritten by --fix).  Without --fix nothing is written."""
     if manifest["entries"]:
         cap = _Capture(root)
         store.write_companions(cap, manifest)
@@ -268,14 +318,18 @@ def _companions(root: Storage, manifest: Manifest, fix: bool, say) -> list[str]:
         written = cap.written
     else:
         written = {}
-    problems = []
+    problems, behind = [], []
     for rel, want in written.items():
         try:
             got = root.read_bytes(rel)
         except FileNotFoundError:
+            behind.append(rel)
             continue
         gen = _generation_of(rel, got)
-        if got == want or (gen is not None and gen < manifest["generation"]):
+        if got == want:
+            continue
+        if gen is not None and gen < manifest["generation"]:
+            behind.append(rel)
             continue
         if rel == store.VIEWS_FILE and _moved_only(got, want):
             continue  # written for this warehouse at another path (copied or moved): `views` rewrites it
@@ -284,7 +338,12 @@ def _companions(root: Storage, manifest: Manifest, fix: bool, say) -> list[str]:
             say(f"rewrote {rel} from the commit log")
         else:
             problems.append(f"{rel}: differs from the commit log's state (a derived file; --fix rewrites it)")
-    query.refresh_companions(root)  # missing or behind the log: rewritten, as in connect()
+    if behind and fix:
+        query.refresh_companions(root)
+        say(f"rewrote {', '.join(behind)} from the commit log (missing or behind it)")
+    elif behind:
+        say(f"note: {', '.join(behind)} missing or behind the commit log (a step after a commit's record "
+            "failed or was cut short): the next query, `cli.py views` or --fix rewrites them")
     return problems
 
 

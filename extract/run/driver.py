@@ -26,6 +26,7 @@ from .provenance import checkpoint_provenance, manifest_entry, run_provenance
 from .settings import Settings, SourceResult
 from .stream import accumulate_source, accumulate_split, memory_budget, new_accumulator
 from .tables import remove_empty_dirs, write_params, write_sums
+from .windows import max_window
 
 
 class Interrupted(Exception):
@@ -107,6 +108,8 @@ def _checkpoint(run: _Run, checkpoint: str, manifest: dict) -> list[SourceResult
         if skip:
             run.log(f"{ref.name}@{checkpoint}: already in the warehouse with these settings; skipped")
             return []
+    if skip_twin(run, manifest, checkpoint, identity):
+        return []
     if not settings.params_only:
         merge.check_open(manifest, ref.name, checkpoint)  # before hours of forward passes
     data_todo = [] if settings.params_only else todo
@@ -115,15 +118,19 @@ def _checkpoint(run: _Run, checkpoint: str, manifest: dict) -> list[SourceResult
     loaded = (load(ref, checkpoint, DTYPES[settings.dtype], settings.device, settings.trust_remote_code,
                    settings.modules) if run.loader is None else run.loader(ref, checkpoint))
     try:
-        if identity is None and loaded.revision_hash:  # a hub model's commit (an in-memory model's weights), once loaded
-            identity = model_identity(ref, checkpoint, loaded.revision_hash)
+        if identity is None and loaded.revision_hash:  # a hub model's files (an in-memory model's weights), once loaded
+            identity = (loaded.weights_id if run.loader is not None
+                        else model_identity(ref, checkpoint, loaded.revision_hash))
+            if skip_twin(run, manifest, checkpoint, identity):
+                return []
         spent = {"load": time.perf_counter() - t0}  # seconds of each phase, logged per checkpoint
         if settings.max_length is not None and settings.max_length > loaded.context:
             raise UserError(f"--max-length {settings.max_length} exceeds the model's context of {loaded.context} tokens")
         # Once loaded, on the same read: hidden size, and other weights under this name.  A writer that
         # committed during the load is no re-read's concern: `merge.commit` checks both again.
         store.check_compatible(manifest, ref.name, loaded.d)
-        check_coverage(manifest, ref, checkpoint, data_todo, settings, run.prints, identity)
+        check_coverage(manifest, ref, checkpoint, data_todo, settings, run.prints, identity,
+                       max_window(loaded, settings))
         work = _Work(store.new_run_id(), t0, spent)
         prov = checkpoint_provenance(run.provenance, loaded, checkpoint, identity, settings)
         _write_and_commit(run, loaded, checkpoint, manifest, data_todo, prov, work)
@@ -131,6 +138,23 @@ def _checkpoint(run: _Run, checkpoint: str, manifest: dict) -> list[SourceResult
         del loaded  # the model's memory, before compaction and the next checkpoint's load
     _after_commit_steps(run, checkpoint, work)
     return work.results
+
+
+def skip_twin(run: _Run, manifest: dict, checkpoint: str, identity: str | None) -> bool:
+    """Whether to skip this checkpoint because its weights equal those of another checkpoint of the
+    model already in the warehouse (--skip-twins); without --skip-twins a one-line warning."""
+    others = merge.twin_checkpoints(manifest, run.ref.name, checkpoint, identity)
+    if not others:
+        return False
+    what = f"{run.ref.name}@{checkpoint}"
+    same = ", ".join(f"{run.ref.name}@{c}" for c in others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    if run.settings.skip_twins:
+        run.log(f"{what}: its weights equal those of {same} (every tensor identical), already in the warehouse; "
+                "skipped (--skip-twins)")
+        return True
+    run.log(f"warning: {what}: its weights equal those of {same} (every tensor identical), already in the "
+            "warehouse; extracting it anyway (--skip-twins skips such checkpoints; see the checkpoint_twins view)")
+    return False
 
 
 def _write_and_commit(run: _Run, loaded: Loaded, checkpoint: str, manifest: dict, todo: list[Source],
@@ -157,7 +181,10 @@ def _write_and_commit(run: _Run, loaded: Loaded, checkpoint: str, manifest: dict
             _record(run, loaded, source, [(sub, result) for sub, result, _ in parts], prov, work)
         t = time.perf_counter()
         if work.entries:  # nothing when the parameter tables were kept and no source was left
-            merge.commit(root, work.entries, replace=settings.replace, fold=settings.fold)  # one record
+            with store.collect_after_record() as failed_after:  # a step after the record failed: it landed
+                merge.commit(root, work.entries, replace=settings.replace, fold=settings.fold)  # one record
+            if failed_after:
+                after_commit(root, f"{run.ref.name}@{checkpoint}", failed_after[0], run.log)
         spent["commit"] = time.perf_counter() - t
     except BaseException as exc:
         if not _keep_committed(run, checkpoint, work):
@@ -252,7 +279,10 @@ def _after_commit_steps(run: _Run, checkpoint: str, work: _Work) -> None:
     run.committed.append(f"{ref.name}@{checkpoint}")
     if run.compact and (reducer is None or reducer.writes) and any(e["kind"] == "data" for e in work.entries):
         t = time.perf_counter()
-        merge.compact(run.root, ref.name, checkpoint)
+        with store.collect_after_record() as failed_after:
+            merge.compact(run.root, ref.name, checkpoint)
+        if failed_after:
+            after_commit(run.root, f"{ref.name}@{checkpoint} (compacted)", failed_after[0], run.log)
         spent["compact"] = time.perf_counter() - t
     if reducer is None or reducer.writes:
         try:
@@ -276,6 +306,8 @@ def after_commit(root, what: str, exc: BaseException, log) -> None:
         generation = f"generation {store.read_state(root)[0]}"
     except Exception:  # noqa: BLE001 - the line is what matters
         generation = "its commit record"
+    if isinstance(exc, store.AfterRecord):  # the commit itself finished what it could and said what failed
+        generation, exc = f"generation {exc.generation}", OSError(exc.reason)
     if isinstance(exc, KeyboardInterrupt):
         raise Interrupted(f"interrupted after {what} was committed ({generation}); its data is in the warehouse "
                           "(views.sql, runs.parquet and manifest.json are rewritten by the next query)") from None

@@ -16,6 +16,7 @@ from warehouse import merge, store
 from ..declared import RESULT_SETTINGS
 from ..models import Loaded, ModelRef
 from ..sources import Source
+from .provenance import identity_settings, recorded_settings
 from .settings import Settings, recorded_setting
 
 PARAMS_SAME = ("weights", "params_code", "layout", "model_location", "model_revision")  # provenance keys
@@ -39,7 +40,7 @@ def already_done(manifest: dict, ref: ModelRef, checkpoint: str, source: Source,
             continue
         if entry["provenance"].get("model_location") != ref.location:
             continue
-        if identity and entry["provenance"].get("model_identity") not in (None, identity):
+        if merge.identities_differ(identity, entry["provenance"].get("model_identity")):
             continue  # the same directory holds other weights now (retrained): not done
         if source.split_values is not None and entry["settings"].get("split_value") not in source.split_values:
             continue
@@ -74,11 +75,12 @@ def params_kept(manifest: dict, loaded: Loaded, prov: dict) -> bool:
 
 
 def check_coverage(manifest: dict, ref: ModelRef, checkpoint: str, sources: list[Source], settings: Settings,
-                   prints: dict[str, str], identity: str | None) -> None:
+                   prints: dict[str, str], identity: str | None, window: int | None = None) -> None:
     """Before any forward pass: what `merge.commit` would refuse for these sources' partials (an
-    overlapping shard, another version of a source file, other weights under this name), unless
-    --replace.  A split source's partials are named by values not read yet: the committed values of
-    that split stand for them."""
+    overlapping shard, another version of a source file, other settings that change the numbers,
+    other weights under this name), unless --replace.  `window`: tokens per window, once the model is
+    loaded (before, a default window is not known and not compared).  A split source's partials are
+    named by values not read yet: the committed values of that split stand for them."""
     if settings.replace:
         return
     shard = f"{settings.shard[0]}-of-{settings.shard[1]}"
@@ -91,7 +93,9 @@ def check_coverage(manifest: dict, ref: ModelRef, checkpoint: str, sources: list
              and e["checkpoint"] == checkpoint and (e["source"] or "").startswith(source.name + ".")
              and e["settings"].get("split_by") == source.split_by})
         for name in names:
+            recorded = recorded_settings(settings, source)
             probes.append({"key": store.entry_key("data", ref.name, checkpoint, name, shard), "kind": "data",
                            "model": ref.name, "checkpoint": checkpoint, "source": name, "shard": shard,
+                           "settings": recorded, "identity": identity_settings(recorded, window or settings.max_length),
                            "provenance": {**prov, "source_fingerprint": prints.get(source.name)}})
     merge.check_conflicts(manifest, probes)

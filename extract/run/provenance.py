@@ -1,6 +1,6 @@
 """What a run records beside its numbers: the code (git commit or package version), the packages,
 the model's revision, weights, layout and identity, the parameter tables' code, and the manifest
-entry of each table set it writes (its settings and statistics)."""
+entry of each table set it writes (its settings, identity settings and statistics)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 from warehouse import store
 
 from .. import architectures as architectures_module, params as params_module
+from ..declared import IDENTITY_SETTINGS
 from ..models import Loaded, ModelRef
 from ..sources import Source
 from .settings import Settings, SourceResult
@@ -78,19 +79,37 @@ def checkpoint_provenance(run: dict, loaded: Loaded, checkpoint: str, identity: 
             "max_length": max_window(loaded, settings)}
 
 
-def manifest_entry(kind: str, loaded: Loaded, run_id: str, files: dict, settings: Settings, d: int,
-                   source: Source | None = None, result: SourceResult | None = None, prov: dict | None = None
-                   ) -> dict:
-    """The manifest entry of one table set: the parameter tables (`kind` "params") or one source's
-    sums ("data"), with the run's settings as recorded, the source's statistics and the provenance."""
-    shard = f"{settings.shard[0]}-of-{settings.shard[1]}" if source else None
+def recorded_settings(settings: Settings, source: Source | None) -> dict:
+    """The settings a manifest entry records: every field of `settings` but how a job divided its
+    share among its ranks, with the shard and the source's filter and split."""
     s = asdict(settings)
-    s["shard"] = shard
+    s["shard"] = f"{settings.shard[0]}-of-{settings.shard[1]}" if source else None
     s.pop("read_shard")  # how a job divided its share among its ranks is not a setting of the result
     s["pile_set"] = source.pile_set if source else None
     s["split_by"] = source.split_by if source else None
     s["split_value"] = source.split_value if source else None
-    return {
+    return s
+
+
+def identity_settings(recorded: dict, window: int | None) -> dict:
+    """What a data partial records under `identity`: the value of each setting that changes its
+    numbers (IDENTITY_SETTINGS), the window as run (`window`: None when not known yet, then left out)."""
+    out = {k: recorded.get(k) for k in IDENTITY_SETTINGS}
+    out.pop("max_length", None)
+    if window is not None:
+        out["max_length"] = window
+    return out
+
+
+def manifest_entry(kind: str, loaded: Loaded, run_id: str, files: dict, settings: Settings, d: int,
+                   source: Source | None = None, result: SourceResult | None = None, prov: dict | None = None
+                   ) -> dict:
+    """The manifest entry of one table set: the parameter tables (`kind` "params") or one source's
+    sums ("data"), with the run's settings as recorded (a data entry's identity settings also under
+    `identity`), the source's statistics and the provenance."""
+    s = recorded_settings(settings, source)
+    shard = s["shard"]
+    entry = {
         "key": store.entry_key(kind, loaded.ref.name, loaded.checkpoint, source and source.name, shard),
         "kind": kind, "model": loaded.ref.name, "checkpoint": loaded.checkpoint, "step": loaded.step,
         "source": source and source.name, "shard": shard, "run_id": run_id,
@@ -99,3 +118,6 @@ def manifest_entry(kind: str, loaded: Loaded, run_id: str, files: dict, settings
                   if result else {}),
         "settings": s, "provenance": prov or {},
     }
+    if kind == "data":
+        entry["identity"] = identity_settings(s, max_window(loaded, settings))
+    return entry

@@ -36,6 +36,7 @@ class Settings:
     params_only: bool = default("params_only")
     accumulator_device: str | None = default("accumulator_device")
     skip_done: bool = default("skip_done")  # keep finished (checkpoint, source, shard) runs with the same settings
+    skip_twins: bool = default("skip_twins")  # skip a checkpoint whose weights another one in the warehouse has
     moments: bool = default("moments")  # Σh, Σhhᵀ per layer (anisotropy, IsoScore, spectra)
     cross_moments: bool = default("cross_moments")  # also Σ h_l h_{l+1}ᵀ per consecutive pair (opt-in)
     moments_precision: str = "float32"  # resolved (check_moments_precision): float32 (shifted), bfloat16 or float64

@@ -29,6 +29,7 @@ from ..storage import open_storage
 from ..store import Entry, Manifest
 from .coverage import check_disjoint, conflict_line, replacements
 from .fold import fold_group, relabel_group
+from .identity import check_settings
 from .groups import (ALL, check_open, data_by_pair, expected_groups, group_key, in_group, partial_id, pending,
                      stale_groups)
 
@@ -48,7 +49,8 @@ def fold_groups(root, manifest: Manifest, data: list[Entry], dropped: Iterable[E
     `dropped` are out (partials `replacements` found covered or conflicting).  Each such group is
     folded in one pass: every partial it lacks added, every partial it holds that is going un-folded
     (one it never held is just dropped).  A group left without partials gets no entry
-    (`empty_groups` names it for removal)."""
+    (`empty_groups` names it for removal).  A source group whose partials were made with different
+    values of a setting that changes the numbers is refused (identity.check_settings), never folded."""
     by_pair = defaultdict(list)
     for e in data:
         by_pair[(e["model"], e["checkpoint"])].append(e)
@@ -86,6 +88,8 @@ def fold_groups(root, manifest: Manifest, data: list[Entry], dropped: Iterable[E
                                     "(run `python cli.py validate --fix`)")
                 if not adds and not removes:
                     continue  # the group holds exactly its partials already
+                if adds and group != ALL:
+                    check_settings(inside)  # one source's partials: made with the same settings
                 members = frozenset(partial_id(e) for e in inside)
                 if members in folded:  # the same partials (one source: 'all'): copied, not folded again
                     out.append(relabel_group(root, folded[members], group))

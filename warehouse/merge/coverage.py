@@ -7,6 +7,7 @@ import math
 from common.errors import UserError
 
 from ..store import Entry, Manifest
+from .identity import clash_line, identities_differ, identity, settings_clash
 
 
 # ---------------------------------------------------------------- what a partial covers
@@ -35,10 +36,6 @@ def overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return (i - j) % math.gcd(n, m) == 0
 
 
-def _identity(entry: Entry) -> str | None:
-    return entry.get("provenance", {}).get("model_identity")
-
-
 def replacements(manifest: Manifest, entries: list[Entry]) -> tuple[list[Entry], list[tuple[Entry, str]]]:
     """(committed entries the new `entries` replace, [(committed entry, why)] they conflict with).
 
@@ -46,17 +43,19 @@ def replacements(manifest: Manifest, entries: list[Entry]) -> tuple[list[Entry],
     covers, from the same source file.  Conflicts: such a partial that shares documents with the new
     one without being covered (a re-shard: 1/1 then 1/2 — keeping both would count half the
     documents twice); one of another version of the source file (another fingerprint) that the new
-    one does not cover (two file versions would be merged into one source); any entry of the same
-    (model, checkpoint) made from other weights (another `model_identity`)."""
+    one does not cover (two file versions would be merged into one source); one made with another
+    value of a setting that changes the numbers (identity.settings_clash: they would be folded into
+    one source); any entry of the same (model, checkpoint) made from other weights (another
+    `model_identity` of the same kind: identity.identities_differ)."""
     keys = {e["key"] for e in entries}
     replaced: dict[str, dict] = {}
-    conflicts: dict[str, tuple[dict, str]] = {}
+    conflicts: dict[str, tuple[dict, str | tuple]] = {}  # why: shard | file | weights | (settings, …)
     for new in entries:
-        ident = _identity(new)
+        ident = identity(new)
         for old in manifest["entries"].values():
             if old["kind"] not in ("data", "params") or (old["model"], old["checkpoint"]) != (new["model"], new["checkpoint"]):
                 continue
-            if ident and _identity(old) and _identity(old) != ident and old["key"] not in conflicts:
+            if identities_differ(ident, identity(old)) and old["key"] not in conflicts:
                 conflicts[old["key"]] = (old, "weights")
                 continue
             if new["kind"] != "data" or old["kind"] != "data" or old["source"] != new["source"] or old["key"] in keys:
@@ -70,6 +69,8 @@ def replacements(manifest: Manifest, entries: list[Entry]) -> tuple[list[Entry],
                 conflicts.setdefault(old["key"], (old, "shard"))
             elif fp_new and fp_old and fp_new != fp_old:
                 conflicts.setdefault(old["key"], (old, "file"))
+            elif (clash := settings_clash(new, old)) is not None:
+                conflicts.setdefault(old["key"], (old, ("settings", *clash)))
     return [e for k, e in replaced.items() if k not in conflicts], list(conflicts.values())
 
 
@@ -80,9 +81,11 @@ def conflict_line(conflicts: list[tuple[Entry, str]]) -> str:
     shard = "/".join(map(str, shard_of(old)))
     more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
     replace = "pass --replace (a sweep file: replace = true) to drop"
+    if isinstance(why, tuple):  # ("settings", setting, this run's value, the committed partial's)
+        return clash_line(True, old, why[1:], more, replace)
     if why == "weights":
         where = old.get("provenance", {}).get("model_location") or "another location"
-        return (f"the warehouse holds {what} from other weights ({where}, identity {_identity(old)}){more}; "
+        return (f"the warehouse holds {what} from other weights ({where}, identity {identity(old)}){more}; "
                 f"give this model another name with --name, or {replace} what holds the other weights")
     if why == "file":
         return (f"source {old['source']} of {what} holds shard {shard} of another version of its file "

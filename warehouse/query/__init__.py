@@ -29,16 +29,16 @@ from ..storage import open_storage
 from .checks import PendingPartials, pending_line, verify_listed
 from .readonly import (READ_ONLY_SETTINGS, ReadOnlyConnection, ReadOnlyRelation, check_read_only, listed_paths,
                        read_only)
-from .views import (BASE_VIEWS, QUERIES_DIR, Metric, all_view_sql, base_view_sql, bound_files, load_metrics,
-                    sql_literal, views_reference)
+from .views import (BASE_VIEWS, QUERIES_DIR, Metric, all_view_sql, base_view_sql, bound_files, file_literal,
+                    glob_escaped, glob_unescaped, load_metrics, sql_literal, views_reference)
 from .views_file import companions_current, refresh_companions, views_tag, write_views_file
 
 __all__ = ["connect", "sql", "view", "isoscore_star", "duckdb_error_line",
            "PendingPartials", "pending_line", "verify_listed",
            "READ_ONLY_SETTINGS", "ReadOnlyConnection", "ReadOnlyRelation", "check_read_only", "listed_paths",
            "read_only",
-           "BASE_VIEWS", "QUERIES_DIR", "Metric", "all_view_sql", "base_view_sql", "bound_files", "load_metrics",
-           "sql_literal", "views_reference",
+           "BASE_VIEWS", "QUERIES_DIR", "Metric", "all_view_sql", "base_view_sql", "bound_files", "file_literal",
+           "glob_escaped", "glob_unescaped", "load_metrics", "sql_literal", "views_reference",
            "companions_current", "refresh_companions", "views_tag", "write_views_file"]
 
 
@@ -73,12 +73,13 @@ def duckdb_error_line(e: Exception) -> str:
     text = " ".join(str(e).split())
     m = re.search(r'No files found that match the pattern "([^"]+)"', text)
     if m:
-        return f"{m.group(1)}: listed in the manifest but missing (run `python cli.py validate`)"
+        return f"{glob_unescaped(m.group(1))}: listed in the manifest but missing (run `python cli.py validate`)"
     return text[:400]
 
 
 def sql(query: str, warehouse: str | Path = DEFAULT_WAREHOUSE):
-    """Run `query` against the warehouse's views and return a Polars DataFrame.
+    """Run `query` against the warehouse's views and return a Polars DataFrame.  Any failure — a
+    refused statement, an SQL error, a file the views cannot read — is one `UserError` line.
 
     Example: sql("SELECT * FROM inter_sim ORDER BY model, layer", "warehouse")
     """
@@ -86,6 +87,8 @@ def sql(query: str, warehouse: str | Path = DEFAULT_WAREHOUSE):
     con = connect(warehouse)
     try:
         return con.sql(query).pl()
+    except duckdb.Error as e:
+        raise UserError(duckdb_error_line(e)) from None
     finally:
         con.close()
 

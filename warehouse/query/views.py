@@ -102,6 +102,28 @@ def sql_literal(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
+_GLOB_CHAR = re.compile(r"([*?\[])")
+_ESCAPED_CHAR = re.compile(r"\[([*?\[])\]")
+
+
+def glob_escaped(path: str) -> str:
+    """`path` as a pattern that matches exactly itself.  DuckDB's file readers expand `*`, `?` and
+    `[…]` in every path they are given, a list's items included (a warehouse under `run*/` would also
+    read `run-backup/`), and take no escape character; a one-character class matches that character
+    only, so each becomes `[*]`, `[?]`, `[[]` (`]`, `{`, `}`, `\\`, quotes and spaces are literal)."""
+    return _GLOB_CHAR.sub(r"[\1]", path)
+
+
+def glob_unescaped(pattern: str) -> str:
+    """The path `glob_escaped` made `pattern` of (for messages)."""
+    return _ESCAPED_CHAR.sub(r"\1", pattern)
+
+
+def file_literal(uri: str) -> str:
+    """A file's path or URL as the SQL literal a DuckDB reader takes to mean that file alone."""
+    return sql_literal(glob_escaped(uri))
+
+
 _WIDTHS = {"float16": 0, "float32": 1, "float64": 2}
 
 
@@ -136,7 +158,7 @@ def _vector_schema(table: str, arrow_schema, entries: list[Entry]):
 
 def base_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | None = None) -> list[str]:
     """CREATE VIEW statements of the base tables over the files the manifest lists.  Local files and
-    views.sql: read_parquet of the paths / s3:// URLs.  With `con` and a warehouse on S3: each table
+    views.sql: read_parquet of the paths / s3:// URLs, glob characters escaped (`file_literal`).  With `con` and a warehouse on S3: each table
     is a pyarrow dataset over the S3 filesystem, registered in `con` (no DuckDB extension needed)."""
     st = open_storage(root)
     via_arrow = con is not None and not st.local
@@ -151,7 +173,7 @@ def base_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | Non
                 format=ds.ParquetFileFormat(), filesystem=st.fs))
             src = f"SELECT {cols} FROM _files_{table}"
         elif files:
-            file_list = "[" + ", ".join(sql_literal(st.uri(f)) for f in files) + "]"
+            file_list = "[" + ", ".join(file_literal(st.uri(f)) for f in files) + "]"
             src = f"SELECT {cols} FROM read_parquet({file_list}, hive_partitioning = false)"
         else:
             src = "SELECT " + ", ".join(
@@ -163,7 +185,7 @@ def base_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | Non
         statements.append("CREATE OR REPLACE VIEW runs AS SELECT * FROM _runs;")
     elif manifest["entries"]:
         statements.append(
-            f"CREATE OR REPLACE VIEW runs AS SELECT * FROM read_parquet({sql_literal(st.uri(store.RUNS_FILE))});")
+            f"CREATE OR REPLACE VIEW runs AS SELECT * FROM read_parquet({file_literal(st.uri(store.RUNS_FILE))});")
     else:
         statements.append(
             "CREATE OR REPLACE VIEW runs AS SELECT " + ", ".join(

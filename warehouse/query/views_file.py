@@ -6,6 +6,7 @@ generation it was written from, and views.sql also a digest of the queries/*.sql
 from __future__ import annotations
 
 import hashlib
+import shlex
 
 from common.errors import UserError
 
@@ -59,7 +60,7 @@ def write_views_file(root, manifest: Manifest | None = None) -> str:
     S3 it names s3:// URLs, which the shell reads with its httpfs extension (see docs/scale-out.md)."""
     st = open_storage(root)
     manifest = manifest if manifest is not None else store.read_manifest(st)
-    how = ("duckdb -init " + st.uri(store.VIEWS_FILE) if st.local else
+    how = ("duckdb -init " + shlex.quote(st.uri(store.VIEWS_FILE)) if st.local else
            "duckdb (with httpfs and an S3 secret; see docs/scale-out.md), then .read " + st.uri(store.VIEWS_FILE) +
            " -- or `python cli.py pull` for a local copy")
     text = (

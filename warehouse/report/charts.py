@@ -53,7 +53,48 @@ def line_chart(df: pl.DataFrame, x: str, x_title: str, y: str, y_title: str, too
         enc["strokeDash"] = alt.StrokeDash(f"{dash}:N", title=dash_title,
                                            scale=alt.Scale(domain=dash_order, range=[[1, 0], [6, 3]]),
                                            legend=alt.Legend(symbolType="stroke", symbolStrokeColor="#444", symbolStrokeWidth=2, symbolSize=400, symbolFillColor="transparent"))
-    return alt.Chart(df).mark_line(point=True).encode(**enc).properties(width=WIDTH, height=HEIGHT)
+    chart = alt.Chart(df).mark_line(point=True).encode(**enc)
+    if has_twins(df):
+        chart = alt.layer(chart, twin_overlay(chart, "point"))
+    return chart.properties(width=WIDTH, height=HEIGHT)
+
+
+# ---------------------------------------------------------------- twin checkpoints, marked on every training figure
+
+TWIN_COLOR = "#D55E00"
+
+
+def has_twins(df: pl.DataFrame | None) -> bool:
+    """Whether rows of `df` (a figure's data) belong to checkpoints whose weights another checkpoint
+    has (Data.with_twins: a non-null `twin_of`)."""
+    return df is not None and "twin_of" in df.columns and df["twin_of"].null_count() < df.height
+
+
+def twin_overlay(base: alt.Chart, mark: str) -> alt.Chart:
+    """A layer over `base` (same data and encodings) that marks the rows of twin checkpoints: a hollow
+    diamond on a point ('point'), an outlined cell ('rect'), a dashed line ('line')."""
+    style = {"point": lambda c: c.mark_point(shape="diamond", size=220, filled=False, strokeWidth=2),
+             "rect": lambda c: c.mark_rect(fill=None, stroke=TWIN_COLOR, strokeWidth=2),
+             "line": lambda c: c.mark_line(strokeWidth=2)}[mark]
+    return style(base).encode(color=alt.value(TWIN_COLOR), strokeDash=alt.value([4, 3] if mark == "line" else [1, 0]),
+                              tooltip=tooltips("model", "checkpoint", "step", "twin_of")
+                              ).transform_filter("isValid(datum.twin_of)")
+
+
+def note_twins(fig: Figure) -> None:
+    """A drawn figure that holds twin checkpoints: its caption says which (every figure, at drawing)."""
+    if fig.missing is None and has_twins(fig.data):
+        fig.caption = f"{fig.caption} {twin_note(fig.data)}"
+
+
+def twin_note(df: pl.DataFrame) -> str:
+    """The sentence a caption gets when the figure holds twin checkpoints."""
+    pairs = df.filter(pl.col("twin_of").is_not_null()).select("model", "checkpoint", "twin_of").unique().sort(
+        "model", "checkpoint")
+    named = [f"{r['model']}@{r['checkpoint']} = {r['twin_of']}" for r in pairs.iter_rows(named=True)]
+    shown = ", ".join(named[:6]) + (f" and {len(named) - 6} more" if len(named) > 6 else "")
+    return (f"Marked in vermillion (diamond, outlined cell or dashed line): checkpoints whose weights equal another "
+            f"checkpoint's, every tensor identical (the checkpoint_twins view): {shown}.")
 
 
 def last_layer(df: pl.DataFrame) -> pl.DataFrame:

@@ -49,6 +49,7 @@ class Data:
     def __init__(self, warehouse, models: list[str] | None, checkpoints: list[str] | None):
         self.con = connect(warehouse)
         self.models, self.checkpoints = models or [], checkpoints or []
+        self.twins: pl.DataFrame | None = None  # the checkpoint_twins view, read once
 
     def where(self, extra: str = "") -> str:
         conds = []
@@ -76,9 +77,19 @@ class Data:
         )
 
     def training(self, name: str, extra: str = "", order: str = "") -> pl.DataFrame:
-        """Rows of models that have at least two checkpoints with a step."""
-        return self.q(
+        """Rows of models that have at least two checkpoints with a step, with `twin_of` (with_twins):
+        every figure across training marks the checkpoints whose weights another one has."""
+        return self.with_twins(self.q(
             f"WITH v AS (SELECT * FROM {name}{self.where(extra)}), "
             "m AS (SELECT model FROM v WHERE step IS NOT NULL GROUP BY model HAVING count(DISTINCT step) >= 2) "
             "SELECT v.* FROM v JOIN m USING (model) WHERE v.step IS NOT NULL" + (f" ORDER BY {order}" if order else "")
-        )
+        ))
+
+    def with_twins(self, df: pl.DataFrame) -> pl.DataFrame:
+        """`df` with a column `twin_of`: for a row of a checkpoint whose weights equal another
+        checkpoint's (the checkpoint_twins view), that checkpoint; null otherwise."""
+        if self.twins is None:
+            self.twins = self.q("SELECT model, checkpoint, twin_of FROM checkpoint_twins")
+        if "twin_of" in df.columns or not {"model", "checkpoint"} <= set(df.columns):
+            return df
+        return df.join(self.twins, on=["model", "checkpoint"], how="left", maintain_order="left")

@@ -16,6 +16,7 @@ from common.progress import progress
 
 from .. import store
 from ..storage import open_storage
+from .charts import note_twins
 from .data import Data, Figure, Report
 from .registry import FIGURES
 
@@ -117,6 +118,7 @@ def build_report(warehouse: Path, out: Path, models: list[str] | None = None,
         report.figures.append(fig)
         if fig.missing:
             continue
+        note_twins(fig)  # a figure across training that holds twin checkpoints: its caption says which
         fig.data.write_csv(out / f"{fig.id}.csv")
         if fig.chart is not None:
             fig.chart = _configure(fig.chart)

@@ -11,8 +11,8 @@ import altair as alt
 import polars as pl
 
 from ..query import sql_literal
-from .charts import (AVGNORM_TITLE, HEIGHT, PALETTE, RATIO_TITLE, WIDTH, centered_label, color_by, last_layer,
-                     line_chart, tooltips, training_line, training_missing, x_axis)
+from .charts import (AVGNORM_TITLE, HEIGHT, PALETTE, RATIO_TITLE, WIDTH, centered_label, color_by, has_twins,
+                     last_layer, line_chart, tooltips, training_line, training_missing, twin_overlay, x_axis)
 from .data import Data, Figure
 
 TOKENS_SHOWN = 15
@@ -105,7 +105,8 @@ def fig_isotropy_training(d: Data) -> Figure:
 
 
 def _norm_long(df: pl.DataFrame) -> pl.DataFrame:
-    return df.unpivot(index=["model", "checkpoint", "step", "module"], on=["avgnorm_g", "avgnorm_b"],
+    index = ["model", "checkpoint", "step", "module"] + (["twin_of"] if "twin_of" in df.columns else [])
+    return df.unpivot(index=index, on=["avgnorm_g", "avgnorm_b"],
                       variable_name="parameter", value_name="avgnorm").with_columns(
         pl.col("parameter").replace({"avgnorm_g": "g (gain)", "avgnorm_b": "b (bias)"}))
 
@@ -157,12 +158,14 @@ def fig_heatmap(d: Data) -> Figure:
     if df.is_empty():
         f.missing = training_missing("inter_sim")
         return f
-    f.chart = alt.Chart(df).mark_rect().encode(
+    rect = alt.Chart(df).mark_rect().encode(
         x=alt.X("step:O", title="Training step"),
         y=alt.Y("layer:O", title="Layer index (0 = embedding)", sort="descending"),
         color=alt.Color("inter_sim:Q", title="Inter-Sim", scale=alt.Scale(scheme="viridis")),
         tooltip=tooltips("model", "checkpoint", "step", "layer", "n", "inter_sim"),
-    ).properties(width=WIDTH * 0.8, height=HEIGHT * 0.8).facet(
+    )
+    chart = alt.layer(rect, twin_overlay(rect, "rect")) if has_twins(df) else rect
+    f.chart = chart.properties(width=WIDTH * 0.8, height=HEIGHT * 0.8).facet(
         column=alt.Column("model:N", title="Model")).resolve_scale(x="independent")
     f.data = df
     return f

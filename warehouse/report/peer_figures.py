@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import altair as alt
 import polars as pl
 
-from .charts import (HEIGHT, WIDTH, centered_label, color_by, last_layer, line_chart, peer_by_layer, pooled_by_layer,
-                     tooltips, training_line, training_missing, x_axis)
+from .charts import (HEIGHT, WIDTH, centered_label, color_by, has_twins, last_layer, line_chart, peer_by_layer,
+                     pooled_by_layer, tooltips, training_line, training_missing, twin_overlay, x_axis)
 from .data import Data, Figure
 
 
@@ -186,11 +186,14 @@ def fig_weight_spectrum_training(d: Data) -> Figure:
         f.missing = training_missing("weight_spectrum")
         return f
     df = _weight_matrix(df)
-    f.chart = alt.Chart(df).mark_line().encode(
+    lines = alt.Chart(df).mark_line().encode(
         x=alt.X("k:Q", title="Rank k"), y=alt.Y("singular_value:Q", title="Singular value", scale=alt.Scale(type="log")),
         color=alt.Color("step:Q", title="Step", scale=alt.Scale(scheme="viridis")), detail="checkpoint:N",
         tooltip=tooltips("model", "checkpoint", "step", "matrix", "k", "singular_value"),
-    ).properties(width=WIDTH, height=HEIGHT).facet(column=alt.Column("model:N", title=None))
+    )
+    chart = alt.layer(lines, twin_overlay(lines, "line")) if has_twins(df) else lines
+    f.chart = chart.properties(width=WIDTH, height=HEIGHT).facet(
+        column=alt.Column("model:N", title=None))
     f.data = df
     return f
 

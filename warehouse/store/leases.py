@@ -1,7 +1,8 @@
 """Leases of writers in flight: before a process writes the first file of a run id it creates
-`_inflight/<run_id>.json` (host, pid, heartbeat, refreshed every HEARTBEAT_S by a thread), and removes
-it once a commit record lists those files (or at exit).  `validate --fix` never quarantines a file of
-a run id whose lease is live (`lease_alive`).
+`_inflight/<run_id>.json` (host, pid and the process's identity, heartbeat refreshed every HEARTBEAT_S
+by a thread), and removes it once a commit record lists those files (or at exit).  `validate --fix`
+never quarantines a file of a run id whose lease is live, and moves at once the files of a writer
+proven gone (`lease_state`, by the rule of store/liveness.py).
 """
 
 from __future__ import annotations
@@ -9,25 +10,23 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import socket
 import threading
 import time
 
 from common import faults
 
 from ..storage import Storage
+from .liveness import HEARTBEAT_S, HOST, judge, own_identity
 from .paths import INFLIGHT_DIR, lease_rel
 
-HEARTBEAT_S = 60.0  # a lease's heartbeat is refreshed this often while it is held
-HOST = socket.gethostname()  # this machine, as leases and commit records name it
 _LEASES: dict[tuple[str, str], tuple[Storage, float]] = {}  # (warehouse, run_id) → (storage, started)
 _LEASE_LOCK = threading.Lock()
 _HEARTBEAT: list[threading.Thread] = []
 
 
 def _lease_bytes(run_id: str, started: float) -> bytes:
-    return json.dumps({"run_id": run_id, "host": HOST, "pid": os.getpid(), "started": started,
-                       "heartbeat": time.time()}).encode()
+    return json.dumps({"run_id": run_id, "host": HOST, **own_identity(), "started": started,
+                       "heartbeat": time.time(), "interval": HEARTBEAT_S}).encode()
 
 
 def hold_lease(st: Storage, run_id: str) -> None:
@@ -83,31 +82,10 @@ def _release_all() -> None:
         release_leases(st, [run_id])
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed child not yet reaped is a zombie: dead
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def lease_alive(info: dict, grace_s: float, now: float | None = None) -> bool:
-    """A lease protects its run's files while its writer may still commit them: on this host, while
-    its pid is alive; from another host, while its heartbeat is younger than the grace period (at
-    least 3 heartbeats)."""
-    try:
-        if info.get("host") == HOST:
-            return _pid_alive(int(info["pid"]))
-        age = (now if now is not None else time.time()) - float(info["heartbeat"])
-        return age < max(grace_s, 3 * HEARTBEAT_S)
-    except (KeyError, TypeError, ValueError):
-        return False
+def lease_state(info: dict, now: float | None = None) -> tuple[str, str]:
+    """("live" | "stale" | "gone", why) of a lease's contents: live while its writer may still commit,
+    gone when it is proven never to (store/liveness.py)."""
+    return judge(info, now)
 
 
 def read_leases(st: Storage) -> dict[str, dict | None]:

@@ -9,7 +9,13 @@ are deleted after the commit.
 
 Generations are contiguous (record n is created only on top of record n − 1): `read_state` refuses
 a log with a gap, a damaged record, or a companion written from a newer generation than the latest
-record (a lost record) — one line each, never a silent rollback.
+record — one line each, never a silent rollback.  Companions ahead of a log whose records and files
+are all present (a copy that took them after a commit's record but `_log/` before it) are derived
+files ahead of the log (`DerivedAhead`): `validate --fix` rebuilds them from the log; otherwise the
+newer record is lost (restore it from a backup).
+
+A failure after the record (writing the companions, removing the lease or the replaced files) does
+not undo the commit: `publish` finishes what it can and warns (`AfterRecord`, store/after_record.py).
 """
 
 from __future__ import annotations
@@ -19,12 +25,14 @@ import hashlib
 import json
 import os
 import secrets
+import warnings
 
 from common import faults
 from common.errors import UserError
 
 from .. import schema
 from ..storage import Storage, open_storage
+from .after_record import AfterRecord
 from .companions import companions_ahead, write_companions
 from .entries import CommitRecord, Entry, Manifest
 from .leases import HOST, release_leases
@@ -33,6 +41,12 @@ from .verified import remember_written, with_checksums
 
 SNAPSHOT_EVERY = 32  # every 32nd record holds the whole manifest; the others only their changes
 RESTORE_HINT = "restore it from a backup (nothing was changed; validate --fix does not touch a damaged log)"
+
+
+class DerivedAhead(UserError):
+    """Companions written from a generation newer than the latest record, while every record and every
+    file the log lists (or a merged table's partials, from which it is rebuilt) is present: derived
+    files ahead of the log, which `validate --fix` rebuilds from it."""
 _WRITER = {"host": HOST, "pid": os.getpid()}
 
 
@@ -97,22 +111,41 @@ def check_contiguous(st: Storage, seqs: list[int]) -> None:
                         f"record; {RESTORE_HINT}")
 
 
-def latest_seqs(st: Storage, full: bool = False) -> list[int]:
+def latest_seqs(st: Storage, full: bool = False, ahead_ok: bool = False) -> list[int]:
     """The log's record numbers, checked: contiguous from 1, and no companion ahead of the latest
-    (re-listed once in case a writer committed between the listing and the companions' read)."""
+    (re-listed once in case a writer committed between the listing and the companions' read).
+    `ahead_ok`: companions ahead are ignored (validate --fix, which rebuilds them)."""
     for attempt in range(3):
         seqs = record_seqs(st)
         check_contiguous(st, seqs)
         latest = seqs[-1] if seqs else 0
-        ahead = companions_ahead(st, latest, full)
+        ahead = None if ahead_ok else companions_ahead(st, latest, full)
         if ahead is None:
             return seqs
         if attempt < 2 and (record_seqs(st) or [0])[-1] >= ahead[1]:
             continue  # a writer committed meanwhile
         name, gen = ahead
+        if seqs and _log_complete(st, seqs):
+            raise DerivedAhead(
+                f"{st.display(LOG_DIR)}: {name} was written from generation {gen} but the log ends at record "
+                f"{latest}, and every record and file it lists is here (a copy that took the derived files after "
+                f"a commit's record but {LOG_DIR}/ before it?): manifest.json, runs.parquet and views.sql are "
+                f"ahead of the log; `python cli.py validate --fix` rebuilds them from it (generation {latest}); "
+                "nothing was changed")
         raise UserError(f"{st.display(LOG_DIR)}: the latest commit record is {latest} but {name} was written "
                         f"from generation {gen}: record(s) {latest + 1}…{gen} lost; {RESTORE_HINT}")
     return record_seqs(st)
+
+
+def _log_complete(st: Storage, seqs: list[int]) -> bool:
+    """Whether every record of `seqs` is readable and every file its state lists is present — a
+    merged table may be missing if it is not compacted (validate --fix rebuilds it from its partials)."""
+    manifest = _state(st, seqs)
+    for e in manifest["entries"].values():
+        for rel in e["files"].values():
+            if not st.exists(rel) and (e["kind"] != "merged" or e.get("compacted")):
+                return False
+    return True
 
 
 def _empty() -> Manifest:
@@ -128,11 +161,12 @@ def _check_version(manifest: dict, path: str) -> None:
         )
 
 
-def read_state(root) -> tuple[int, Manifest]:
+def read_state(root, ahead_ok: bool = False) -> tuple[int, Manifest]:
     """(sequence number, manifest) of the latest commit record: the newest snapshot at or before it,
-    with the later records' changes applied."""
+    with the later records' changes applied.  `ahead_ok`: companions ahead of the log are ignored
+    (validate --fix, to rebuild them)."""
     st = open_storage(root)
-    seqs = latest_seqs(st)
+    seqs = latest_seqs(st, ahead_ok=ahead_ok)
     if not seqs:
         legacy = st.display(MANIFEST)
         if st.exists(MANIFEST):  # a warehouse of an earlier version: no commit log, only manifest.json
@@ -147,6 +181,11 @@ def read_state(root) -> tuple[int, Manifest]:
             raise UserError(f"{legacy}: warehouse without a commit log (written by an earlier version); "
                             "use another --warehouse")
         return 0, _empty()
+    return seqs[-1], _state(st, seqs)
+
+
+def _state(st: Storage, seqs: list[int]) -> Manifest:
+    """The manifest of record seqs[-1] (seqs contiguous and non-empty)."""
     deltas = []
     for seq in reversed(seqs):
         rec = read_record(st, seq)
@@ -160,7 +199,7 @@ def read_state(root) -> tuple[int, Manifest]:
     for rec in reversed(deltas):
         _apply(manifest, rec["put"], rec["remove"])
     manifest["generation"] = seqs[-1]
-    return seqs[-1], manifest
+    return manifest
 
 
 def _apply(manifest: Manifest, put: list[Entry], remove: list[str]) -> None:
@@ -210,12 +249,32 @@ def publish(root, base_seq: int, manifest: Manifest, entries: list[Entry], remov
     new["generation"] = seq
     manifest.clear()
     manifest.update(new)
-    faults.hit("views")
-    write_companions(st, manifest)
     stale = sorted(old_files - live)
-    release_leases(st, {run_of(f) for e in entries for f in e["files"].values()})  # the record lists them now
-    remember_written(st, entries)  # the first query after this commit need not hash what was just written
-    faults.hit("gc")
-    for rel in stale:
-        st.delete(rel)
+    _after_record(st, seq, manifest, entries, stale)
     return stale
+
+
+def _after_record(st: Storage, seq: int, manifest: Manifest, entries: list[Entry], stale: list[str]) -> None:
+    """What follows record `seq`: the companions, the writer's leases, the verified-files cache, the
+    replaced files.  The commit has landed: each step that fails (OSError, a storage's one-line
+    error) is an AfterRecord warning, and the next one still runs.  An interrupt is not caught."""
+
+    def companions():
+        faults.hit("views")
+        write_companions(st, manifest)
+
+    def gc():
+        faults.hit("gc")
+        for rel in stale:
+            st.delete(rel)
+
+    steps = (("companions", companions),
+             ("release", lambda: release_leases(st, {run_of(f) for e in entries for f in e["files"].values()})),
+             (None, lambda: remember_written(st, entries)),  # best effort: the first query need not hash them
+             ("gc", gc))
+    for step, run in steps:
+        try:
+            run()
+        except (OSError, UserError) as e:
+            if step is not None:
+                warnings.warn(AfterRecord(seq, step, e), stacklevel=3)
