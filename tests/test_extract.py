@@ -643,9 +643,9 @@ def test_onednn_products_equal_the_torch_path_and_float64():
 
 def test_bfloat16_moments_are_exact_products_against_float64():
     """precision "bfloat16" (the GPU default with a bf16 model): the raw bf16 rows' products, exact
-    in float32, accumulated in float32 over ≤ CHUNK_BF16 rows, Gram and cross moment as one
-    [h_prev | h]ᵀ h product — against float64 products on the same rows: batches of changing size
-    (the pair buffer grows), several chunks and a partial last one, zeroed rows, a large mean
+    in float32, accumulated in float32 over ≤ CHUNK_BF16 rows, the Gram matrix's upper triangle by
+    panels and the cross moment as one h_prevᵀh product — against float64 products on the same rows:
+    batches of changing size, several chunks and a partial last one, zeroed rows, a large mean
     (no centre: the products must stay exact), the background thread bit for bit; float32 rows
     are refused with a one-line error."""
     a = torch.tensor([[3.0, -2.5, 0.5], [1.25, 7.0, -0.75]]).bfloat16()  # exact in float32 and float64
