@@ -59,13 +59,15 @@ def report(name: str, batches, L: int, d: int, chunk: int) -> None:
     for hs, ok in batches:
         for layer, h in enumerate(hs):
             exact.add(layer, h, ok)
-    ratios = []
+    ratios, dims = [], []
     for layer in range(L):
         n = float(exact.n[layer])
         mu = exact.s1[layer].numpy() / n
-        tr = np.trace(exact.s2(layer)) / n - mu @ mu
-        ratios.append(mu @ mu / tr)
-    line = f"{name:34s} |mu|^2/trC {min(ratios):9.3g}–{max(ratios):<9.3g}"
+        var = np.diag(exact.s2(layer)) / n - mu * mu
+        ratios.append(mu @ mu / var.sum())
+        dims.append((mu * mu).max() / var.max())
+    line = (f"{name:34s} |mu|^2/trC {min(ratios):9.3g}–{max(ratios):<9.3g} max mu_i^2/max C_ii "
+            f"{min(dims):9.3g}–{max(dims):<9.3g}")
     for label, cut in (("raw", math.inf), ("split", 0.0), ("default", Moments.SPLIT_RATIO)):
         t = time.perf_counter()
         m = feed(batches, L, d, cut, chunk)
@@ -149,15 +151,18 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=Moments.CHUNK_BF16, help="rows per bf16 product")
     ap.add_argument("--minilm-tokens", type=int, default=20_000)
     ap.add_argument("--massive-d", type=int, default=2048, help="d of the trained-like rows (massive dimensions)")
+    ap.add_argument("--only", choices=("minilm", "synthetic", "massive"), help="one kind of rows only")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, rows per product {args.chunk}, SPLIT_RATIO {Moments.SPLIT_RATIO:g}")
-    mb = minilm(args.minilm_tokens)
-    report(f"MiniLM bf16, {sum(len(b[1]) for b in mb)} tokens, 7 layers", mb, 7, 384, args.chunk)
-    for ratio in (1, 10, 100, 1e3, 1e4):
+    print(f"torch {torch.__version__}, rows per product {args.chunk}, SPLIT_RATIO {Moments.SPLIT_RATIO:g}, "
+          f"SPLIT_DIM_RATIO {Moments.SPLIT_DIM_RATIO:g}")
+    if args.only in (None, "minilm"):
+        mb = minilm(args.minilm_tokens)
+        report(f"MiniLM bf16, {sum(len(b[1]) for b in mb)} tokens, 7 layers", mb, 7, 384, args.chunk)
+    for ratio in (1, 10, 100, 1e3, 1e4) if args.only in (None, "synthetic") else ():
         report(f"synthetic d {args.d}, {args.rows} rows, ratio {ratio:g}", synthetic(ratio, args.d, args.rows),
                2, args.d, args.chunk)
-    for big in (5, 8, 10, 15, 25):  # massive activations: max mu_i^2 / max C_ii ≈ big²
+    for big in (5, 8, 10, 15, 25) if args.only in (None, "massive") else ():  # massive activations: max mu_i^2 / max C_ii ≈ big²
         report(f"massive d {args.massive_d}, {args.rows} rows, 2 dims of mean {big:g}",
                massive(args.massive_d, args.rows, big), 2, args.massive_d, args.chunk)
 

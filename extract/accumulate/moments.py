@@ -288,7 +288,11 @@ class Moments:
         the sum of their parts hi + lo: by row panels, each panel's products summed in float32 and
         folded once — hiᵀhi + loᵀlo by panels, hiᵀlo once in full for its transpose's share (2.25 k·d²
         multiply-adds for split rows, 0.625 k·d² for raw ones; products of views, no copies)."""
-        mm = lambda a, b: mm_bf16(a, b, self._out_dtype)  # noqa: E731
+        if self._out_dtype:
+            mm = lambda a, b: mm_bf16(a, b, True)  # noqa: E731
+        else:  # the rows upcast once (exact), not each panel's operands: the same products
+            P = [x.float() for x in P]
+            mm = torch.mm
         if len(P) == 1:
             x = P[0]
             add_gram_upper(S, lambda a, b: mm(x[:, a:b].T, x[:, a:]), self.PANELS)
