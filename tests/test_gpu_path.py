@@ -68,10 +68,15 @@ def _assert_same(eager: TokenSums, other: TokenSums, L: int) -> None:
     for layer in range(L):
         (ce, se), (cf, sf) = eager.dense(layer), other.dense(layer)
         assert torch.equal(ce, cf) and torch.allclose(se, sf, rtol=1e-13, atol=1e-13)
-    for name in ("nonfinite", "zero", "windows"):
-        assert torch.equal(getattr(eager, name), getattr(other, name)), name
-    for name in ("sum_h", "sum_u2", "window_cos"):
-        assert torch.allclose(getattr(eager, name), getattr(other, name), rtol=1e-12, atol=1e-12), name
+    assert eager.layer_sums() == other.layer_sums()
+    assert {"nonfinite", "zero", "windows", "sum_h", "sum_u2", "window_cos"} <= set(eager.layer_sums())
+    for name in eager.layer_sums():  # every per-layer sum, whichever path added it
+        a, b = getattr(eager, name), getattr(other, name)
+        assert a.dtype == b.dtype, name
+        if a.is_floating_point():
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), name
+        else:
+            assert torch.equal(a, b), name
 
 
 def test_compiled_step_never_recompiles_for_b1_t1_or_t_equal_d():
@@ -616,3 +621,34 @@ def test_a_massive_dimension_centres_a_layer_whose_trace_ratio_is_small():
         mean = exact.s1[0].numpy() / n
         C64 = exact.s2(0) / n - np.outer(mean, mean)
         assert np.abs(m.s2(0) / n - np.outer(mean, mean) - C64).max() <= 1e-6 * np.abs(C64).max()
+
+
+@pytest.mark.skipif(not fused.available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="Triton is not installed, or neither a GPU nor its interpreter")
+def test_a_layer_sum_the_triton_kernels_lack_takes_the_other_path_with_one_warning():
+    """An accumulator holding a per-layer sum that fused.py's kernels do not add (a new per-token
+    term) never runs them: at its first batch it takes the other path, says so in one warning and
+    records it, and every sum equals the eager path's; the kernels' own sums are exactly FILLS."""
+    L, V, d = 2, 50, 8
+
+    class WithTerm(TokenSums):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.term = torch.zeros(L, dtype=torch.float64)  # a per-layer sum only the other path adds
+
+        def add(self, layer, hidden):
+            if not self._triton:
+                self.term[layer] += float(hidden.isfinite().sum())
+            super().add(layer, hidden)
+
+    tri = TokenSums(L, V, d, "cpu", triton=True)
+    assert set(tri.layer_sums()) == fused.FILLS
+    eager, other = WithTerm(L, V, d, "cpu"), WithTerm(L, V, d, "cpu", triton=True)
+    assert other.paths["layer_step"] == "triton"
+    gen = torch.Generator().manual_seed(4)
+    with pytest.warns(RuntimeWarning, match="Triton kernels of the accumulation step do not add term") as got:
+        _feed([eager, other], [(2, 5), (3, 4)], V, d, L, gen)
+    assert len(got) == 1 and other._plan is None and not other._triton_once
+    assert other.paths == {"layer_step": "compiled (triton kernels lack term)", "scatter": "atomic"}
+    assert float(other.term.abs().sum()) > 0
+    _assert_same(eager, other, L)

@@ -45,6 +45,10 @@ import torch
 
 ENV = "ISO_TRITON"  # off: the compiled step instead of these kernels on a GPU
 
+# The per-layer sums of a `TokenSums` (`layer_sums`) these kernels add to, besides the token table: an
+# accumulator that holds any other takes the compiled step instead (`TokenSums.set_batch`)
+FILLS = frozenset({"nonfinite", "zero", "sum_h", "sum_u2", "windows", "window_cos"})
+
 
 def enabled() -> bool:
     """Whether these kernels are wanted where they can run ($ISO_TRITON is not `off`) and can run."""

@@ -82,7 +82,7 @@ class TokenSums:
         # On a GPU, without --sequences or --sample: the Triton kernels of fused.py before the compiled
         # step (`triton=True` on a CPU: the same kernels in Triton's interpreter, for tests)
         if triton is None:
-            triton = use and fused_kernels.enabled()
+            triton = use and self.device.type == "cuda" and fused_kernels.enabled()
         self._triton = bool(triton) and fused_kernels.available()
         self._triton_once = False
         self._plan = None
@@ -191,6 +191,12 @@ class TokenSums:
 
     # ------------------------------------------------------------ the hot path
 
+    def layer_sums(self) -> list[str]:
+        """The names of the per-layer sums this accumulator adds to besides the token table: its public
+        tensors with one entry per layer (`nonfinite`, `sum_h`, …)."""
+        return sorted(k for k, v in vars(self).items() if not k.startswith("_") and isinstance(v, torch.Tensor)
+                      and v.dim() >= 1 and v.shape[0] == self.L)
+
     def _h2d(self, a) -> torch.Tensor:
         """A host array or tensor on the device; to a GPU through pinned memory, so the copy is
         asynchronous (from pageable memory a `non_blocking` copy makes the host wait)."""
@@ -232,6 +238,12 @@ class TokenSums:
                            torch.from_numpy(uniq).to(self.master))
         self._ones = torch.ones(len(ids), dtype=torch.int64, device=self.device)
         self._rows_counted = len(ids)
+        if self._triton and (lacking := sorted(set(self.layer_sums()) - fused_kernels.FILLS)):
+            slow_path(self.paths, "layer_step", f"compiled (triton kernels lack {', '.join(lacking)})",
+                      f"the Triton kernels of the accumulation step do not add {', '.join(lacking)}; using the "
+                      "compiled step (slower, same sums)")
+            self.paths["scatter"] = "atomic"
+            self._triton = False
         self._plan = (fused_kernels.plan(sel_np, slots, B, T, self.L, self._h2d)
                       if self._triton and not self.fold_partials else None)
         return len(ids)
