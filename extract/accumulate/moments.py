@@ -242,10 +242,11 @@ class Moments:
 
     SPLIT_RATIO = 1.0  # ‖μ‖²/tr C above which a layer's bf16 rows are centred and split (see _add_bf16)
     # max_i μ_i² / max_i C_ii above which they are too: a few massive dimensions whose mean dominates
-    # the largest variance, though not the trace (a trained model's massive activations).  The raw
-    # rows' error grows like 3–7e-8 times this ratio (docs/performance.md): ≤ ~4e-6 of the largest
-    # covariance entry below it
-    SPLIT_DIM_RATIO = 64.0
+    # the largest variance, though not the trace (a trained model's massive activations).  Raw rows'
+    # covariance error, relative to the largest entry, measured against float64 (docs/views-guide.md,
+    # precision): 6.3e-6 on a trained model's layer at a ratio of 7.2, 3e-6–6e-5 on synthetic rows at
+    # 25–623; the split rows' 6.5e-7 at every ratio.  Below 8, raw rows stay within 1e-5
+    SPLIT_DIM_RATIO = 8.0
 
     def _decide(self, layer: int, h: torch.Tensor, s: torch.Tensor, n: torch.Tensor) -> None:
         """A layer's first batch: raw or centred-and-split rows, from its ‖μ‖²/tr C and max μ_i²/max C_ii
