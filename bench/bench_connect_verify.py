@@ -1,4 +1,4 @@
-"""What connect()'s checksum verification costs at start-up (warehouse/query.py verify_listed):
+"""What connect()'s checksum verification costs at start-up (warehouse/query/checks.py):
 `cli.py sql "SELECT 1"` over tiny warehouses of N uncompacted partials, with a cold verified-files
 cache (every listed file hashed once) and a warm one (stat() calls only), over the bare imports.
 

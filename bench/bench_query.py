@@ -62,7 +62,8 @@ def write_partial(root: Path, model: str, checkpoint: str, source: str, shard: s
     lay = store.TableWriter(root, "layer_sums", values, run_id)
     layer_rows = {c: [] for c in ("layer", "layer_kind", "n_layers", "n", "sum_sq", "n_nonfinite", "n_zero",
                                   "vec", "sum_h", "sum_u2", "windows", "window_cos", "sum_abs", "curv_windows",
-                                  "curv_sum", "pe_windows", "pe_sum")}
+                                  "curv_sum", "pe_windows", "pe_sum", "change_n", "change_cos", "change_angle",
+                                  "unit_windows", "sum_ubar", "sum_ubar_sq")}
     tokens = 0
     for layer in range(layers):
         mean = rng.standard_normal(d)  # a common direction: Inter-Sim > 0
@@ -83,7 +84,12 @@ def write_partial(root: Path, model: str, checkpoint: str, source: str, shard: s
                      ("sum_h", (total * 3).tolist()), ("sum_u2", np.full(d, n_total / d).tolist()),
                      ("windows", n_total // 512), ("window_cos", 0.5 * (n_total // 512)),
                      ("sum_abs", 0.8 * n_total * d), ("curv_windows", n_total // 512),
-                     ("curv_sum", 1.1 * (n_total // 512)), ("pe_windows", None), ("pe_sum", None)):
+                     ("curv_sum", 1.1 * (n_total // 512)), ("pe_windows", None), ("pe_sum", None),
+                     ("change_n", n_total if layer + 1 < layers else None),
+                     ("change_cos", 0.9 * n_total if layer + 1 < layers else None),
+                     ("change_angle", 0.15 * n_total if layer + 1 < layers else None),
+                     ("unit_windows", n_total // 512), ("sum_ubar", (total / 512).tolist()),
+                     ("sum_ubar_sq", 0.3 * (n_total // 512))):
             layer_rows[c].append(v)
     lay.write({**{k: [v] * layers for k, v in key.items()}, **layer_rows})
     files = {"token_sums": tok.close(), "layer_sums": lay.close()}

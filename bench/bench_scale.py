@@ -136,6 +136,9 @@ class SyntheticSums:
         z = lambda dt: torch.zeros(L, dtype=dt)  # noqa: E731
         self.nonfinite, self.zero, self.windows = z(torch.int64), z(torch.int64), z(torch.int64) + 10
         self.window_cos = z(torch.float64) + 5.0
+        self.change_n, self.change_cos, self.change_angle = z(torch.int64) + 100, z(torch.float64) + 90.0, z(torch.float64) + 15.0
+        self.unit_windows, self.sum_ubar_sq = z(torch.int64) + 11, z(torch.float64) + 3.0
+        self.sum_ubar = torch.from_numpy(rng.standard_normal((L, d)))
         self.sum_h = torch.from_numpy(rng.standard_normal((L, d)))
         self.sum_u2 = torch.full((L, d), 100.0 / d, dtype=torch.float64)
         self.moments = SyntheticMoments(L, d, 100 * len(self.ids), seed) if moments else None

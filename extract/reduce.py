@@ -166,7 +166,9 @@ class Reducer:
         try:
             chunks = [self._reduce_rows(acc, layer, tmp) for layer in range(acc.L)]
             per_layer = {k: self._sum(getattr(acc, k)) for k in ("nonfinite", "zero", "sum_h", "sum_u2", "windows",
-                                                                  "window_cos")}
+                                                                  "window_cos", "change_n", "change_cos",
+                                                                  "change_angle", "unit_windows", "sum_ubar",
+                                                                  "sum_ubar_sq")}
             moments = self._reduce_moments(acc.moments, acc.L, tmp, "moments") if acc.moments is not None else None
             if acc.extra is not None:
                 self._reduce_window_measures(acc.extra, tmp)

@@ -72,7 +72,8 @@ def run_cli(*args: str):
 # ---------------------------------------------------------------- one extract, and its views compared
 
 VIEWS = ["inter_sim", "inter_sim_by_source", "intra_sim", "avg_intra_sim", "inter_sim_by_frequency",
-         "dim_contrib", "drift", "intra_sentence_sim", "anisotropy", "linearity", "inter_sim_types"]
+         "dim_contrib", "drift", "intra_sentence_sim", "anisotropy", "linearity", "inter_sim_types",
+         "layer_change", "random_word_sim"]
 
 
 def views(wh) -> dict:

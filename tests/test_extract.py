@@ -550,7 +550,7 @@ def test_compiled_gpu_step_equals_the_eager_path():
         for acc in accs:
             acc.set_batch(ids, counted)
             for layer in range(2):
-                acc.add(layer, hidden * (layer + 1))
+                acc.add(layer, (hidden * (layer + 1)).roll(layer, -1))  # another direction per layer
     eager, fused, folded, chunked, general = accs
     assert fused._fused is not None and eager._fused is None and folded._fused is None
     for layer in range(2):  # the CPU path in chunks is the general path's arithmetic in its order: same bits
@@ -562,6 +562,8 @@ def test_compiled_gpu_step_equals_the_eager_path():
     assert eager.nonfinite.tolist() == [2, 2] and eager.zero.tolist() == [2, 2]
     for other in (chunked, general):
         assert torch.equal(eager.sum_h, other.sum_h) and torch.equal(eager.window_cos, other.window_cos)
+        for name in ("change_n", "change_cos", "change_angle", "unit_windows", "sum_ubar", "sum_ubar_sq"):
+            assert torch.equal(getattr(eager, name), getattr(other, name)), name
         assert torch.equal(eager.moments.s1, other.moments.s1) and np.array_equal(eager.moments.s2(1), other.moments.s2(1))
     me, mf = eager.moments, fused.moments
     assert torch.equal(me.n, mf.n) and torch.equal(me.n_pair, mf.n_pair) and me.n.tolist() == [26, 26]  # 30 counted, 4 NaN/zero

@@ -647,7 +647,7 @@ def test_a_partial_changed_after_it_was_cached_is_caught_by_the_fold(tmp_path, m
 
 
 def test_a_torn_last_line_in_the_cache_costs_only_that_line(tmp_path, monkeypatch):
-    # Was a bug (fixed): store.append_verified (warehouse/store.py) appends after a torn last line (a writer killed
+    # Was a bug (fixed): store.append_verified (warehouse/store/) appends after a torn last line (a writer killed
     # mid-line) without starting a new line, so the next commit's first line is glued to the torn one
     # and unreadable too: that commit's first file is hashed again by every later fold/connect until
     # connect rewrites the cache.  Safe (never trusts a wrong file), but the torn line costs the next

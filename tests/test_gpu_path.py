@@ -65,16 +65,20 @@ def _feed(accs, shapes, V, d, L, gen):
         for acc in accs:
             acc.set_batch(ids, counted)
             for layer in range(L):
-                acc.add(layer, (hidden * (layer + 1)).to(acc.device))
+                acc.add(layer, (hidden * (layer + 1)).roll(layer, -1).to(acc.device))  # another direction per layer
 
 
-def _assert_same(eager: TokenSums, other: TokenSums, L: int) -> None:
+def _assert_same(eager: TokenSums, other: TokenSums, L: int, names=None) -> None:
+    """The token tables and every per-layer sum (`names`: only those) of two accumulators agree."""
     for layer in range(L):
         (ce, se), (cf, sf) = (t.cpu() for t in eager.dense(layer)), (t.cpu() for t in other.dense(layer))
         assert torch.equal(ce, cf) and torch.allclose(se, sf, rtol=1e-13, atol=1e-13)
-    assert eager.layer_sums() == other.layer_sums()
-    assert {"nonfinite", "zero", "windows", "sum_h", "sum_u2", "window_cos"} <= set(eager.layer_sums())
-    for name in eager.layer_sums():  # every per-layer sum, whichever path added it
+    if names is None:
+        assert eager.layer_sums() == other.layer_sums()
+    names = eager.layer_sums() if names is None else names
+    assert {"nonfinite", "zero", "windows", "sum_h", "sum_u2", "window_cos", "unit_windows", "change_n", "sum_ubar",
+            "sum_ubar_sq", "change_cos", "change_angle"} <= set(eager.layer_sums())
+    for name in names:  # every per-layer sum, whichever path added it
         a, b = getattr(eager, name).cpu(), getattr(other, name).cpu()
         assert a.dtype == b.dtype, name
         if a.is_floating_point():
@@ -591,12 +595,14 @@ def test_the_triton_kernels_equal_the_eager_path_and_the_float64_moments(vocab, 
     gen = torch.Generator().manual_seed(3)
     eager = TokenSums(L, vocab, d, "cpu")
     tri = TokenSums(L, vocab, d, TRITON_DEVICE, triton=True)
+    for name in set(tri.layer_sums()) - fused.FILLS:  # the sums the kernels do not add (their fallback's test
+        delattr(tri, name)                             # below): an accumulator of the kernels' sums alone
     assert tri.paths == {"layer_step": "triton", "scatter": "segmented"} and eager._triton is False
     for acc in (eager, tri):
         acc.moments = Moments(L, d, acc.device, precision="float64", background=False)
     _feed([eager, tri], [(3, 11), (1, 1), (2, 40), (5, 3)], vocab, d, L, gen)
     assert tri._triton_once and tri.paths["layer_step"] == "triton"
-    _assert_same(eager, tri, L)
+    _assert_same(eager, tri, L, names=sorted(fused.FILLS))
     assert int(tri.nonfinite.sum()) > 0 and int(tri.zero.sum()) > 0 and int(tri.windows.sum()) > 0
     assert torch.equal(eager.moments.n, tri.moments.n.cpu())
     assert torch.allclose(eager.moments.s1, tri.moments.s1.cpu(), rtol=1e-13, atol=1e-12)
@@ -630,31 +636,22 @@ def test_a_massive_dimension_centres_a_layer_whose_trace_ratio_is_small():
 
 @pytest.mark.skipif(not fused.available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
                     reason="Triton is not installed, or neither a GPU nor its interpreter")
-def test_a_layer_sum_the_triton_kernels_lack_takes_the_other_path_with_one_warning():
-    """An accumulator holding a per-layer sum that fused.py's kernels do not add (a new per-token
-    term) never runs them: at its first batch it takes the other path, says so in one warning and
-    records it, and every sum equals the eager path's; the kernels' own sums are exactly FILLS."""
+def test_sums_the_triton_kernels_lack_take_the_other_path_recorded_without_a_warning():
+    """An accumulator holding per-layer sums that fused.py's kernels do not add (the layer change and
+    the windows' mean unit vectors) never runs them: at its first batch it takes the compiled step
+    (on a CPU the eager path), records which sums made it, warns nothing, and every sum — those
+    included — equals the eager path's.  An accumulator of the kernels' sums alone runs them."""
     L, V, d = 2, 50, 8
-
-    class WithTerm(TokenSums):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.term = torch.zeros(L, dtype=torch.float64)  # a per-layer sum only the other path adds
-
-        def add(self, layer, hidden):
-            if not self._triton:
-                self.term[layer] += float(hidden.isfinite().sum())
-            super().add(layer, hidden)
-
-    tri = TokenSums(L, V, d, TRITON_DEVICE, triton=True)
-    assert set(tri.layer_sums()) == fused.FILLS
-    eager, other = WithTerm(L, V, d, "cpu"), WithTerm(L, V, d, TRITON_DEVICE, triton=True)
+    lacking = sorted(set(TokenSums(L, V, d, "cpu").layer_sums()) - fused.FILLS)
+    assert {"change_n", "change_cos", "change_angle", "sum_ubar"} <= set(lacking)
+    eager, other = TokenSums(L, V, d, "cpu"), TokenSums(L, V, d, TRITON_DEVICE, triton=True)
     assert other.paths["layer_step"] == "triton"
     gen = torch.Generator().manual_seed(4)
-    with pytest.warns(RuntimeWarning, match="Triton kernels of the accumulation step do not add term") as got:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*[Tt]riton.*")
         _feed([eager, other], [(2, 5), (3, 4)], V, d, L, gen)
-    assert len([w for w in got if "Triton kernels" in str(w.message)]) == 1
+    step = "compiled" if TRITON_DEVICE == "cuda" else "eager"
+    assert other.paths == {"layer_step": f"{step} (triton kernels lack {', '.join(lacking)})", "scatter": "atomic"}
     assert other._plan is None and not other._triton_once
-    assert other.paths == {"layer_step": "compiled (triton kernels lack term)", "scatter": "atomic"}
-    assert float(other.term.abs().sum()) > 0
+    assert int(other.change_n.sum()) > 0
     _assert_same(eager, other, L)

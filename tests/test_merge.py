@@ -1,4 +1,4 @@
-"""Merge at commit (warehouse/merge.py): merged tables against the pairwise definition with 1, 2
+"""Merge at commit (warehouse/merge/): merged tables against the pairwise definition with 1, 2
 and 8 partials, after replacing a partial, after compaction; incremental = from scratch for the
 moments and samples; validate against tampering; kills during merge and compaction; layering."""
 

@@ -63,6 +63,11 @@ CHART_VIEWS = {
     "fig35_curvature_training": ("curvature", ["model", "checkpoint", "source", "layer"], ["curvature"]),
     "fig36_prompt_entropy_by_layer": ("prompt_entropy", ["model", "checkpoint", "source", "layer"], ["prompt_entropy"]),
     "fig37_prompt_entropy_training": ("prompt_entropy", ["model", "checkpoint", "source", "layer"], ["prompt_entropy"]),
+    "fig41_block_influence_by_layer": ("layer_change", ["model", "checkpoint", "source", "layer"], []),
+    "fig42_block_influence_training": ("layer_change", ["model", "checkpoint", "source", "layer"],
+                                       ["n", "block_influence", "angular_distance"]),
+    "fig43_random_word_sim_by_layer": ("random_word_sim", ["model", "checkpoint", "source", "layer"],
+                                       ["windows", "random_word_sim"]),
 }
 
 

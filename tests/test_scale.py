@@ -64,7 +64,7 @@ def test_views_bind_by_one_file_and_read_every_dtype_exactly(tmp_path, monkeypat
         if e["files"]["token_sums"] != keep:
             (wh / e["files"]["token_sums"]).write_bytes(b"not parquet")
     with pytest.raises(UserError, match="token_sums.*its commit record says"):
-        connect(wh)  # connect() verifies every listed file (warehouse/query.py verify_listed) ...
+        connect(wh)  # connect() verifies every listed file (warehouse/query/checks.py) ...
     monkeypatch.setattr(query, "verify_listed", lambda root, manifest: 0)  # ... here: the binding alone
     con = connect(wh)
     assert con.execute("SELECT 1").fetchone() == (1,)

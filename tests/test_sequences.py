@@ -91,17 +91,24 @@ def windows_batch(B: int, T: int, V: int, d: int, gen: torch.Generator):
     return ids, counted, hidden, where
 
 
+def layer_rows(hidden: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer `layer`'s hidden states of a batch in the tests that feed `hidden` (B, T, d) to every layer:
+    scaled and rotated through the dimensions, so that the direction of a row changes from layer to
+    layer (the layer change) and NaN/inf and zero rows stay where they are."""
+    return (hidden * (layer + 1)).roll(layer, -1)
+
+
 def window_definition(batches, L: int, d: int, k: int):
     """The per-window measures in float64 numpy from their definitions (docs/measures.md), per layer:
     Σ|h|, the top-k (|h|, document, position, dim), the curvature's sum over windows and windows, and
     the pooled windows' (W, Σz, Σzzᵀ) — over the counted finite non-zero vectors; layer l's rows are
-    hidden·(l + 1) in bf16 (as `feed_windows`)."""
+    `layer_rows` in bf16 (as `feed_windows`)."""
     out = []
     for layer in range(L):
         sum_abs, entries, curv, curv_w = 0.0, [], 0.0, 0
         pooled = {p: [0, np.zeros(d), np.zeros((d, d))] for p in ("mean", "last", "normalized")}
         for _, counted, hidden, where in batches:
-            H = (hidden * (layer + 1)).double().numpy()  # (B, T, d)
+            H = layer_rows(hidden, layer).double().numpy()  # (B, T, d)
             for b in range(H.shape[0]):
                 rows = [(t, H[b, t]) for t in range(H.shape[1]) if counted[b, t]]  # counted rows in order
                 ok = [bool(np.isfinite(h).all() and np.abs(h).sum() > 0) for _, h in rows]
@@ -136,7 +143,7 @@ def feed_windows(acc, batches, L: int) -> None:
     for ids, counted, hidden, where in batches:
         acc.set_batch(ids, counted, where)
         for layer in range(L):
-            acc.add(layer, hidden * (layer + 1))
+            acc.add(layer, layer_rows(hidden, layer))
 
 
 def assert_windows_equal_definition(wm: WindowMeasures, want, L: int, rtol: float = 1e-12) -> None:

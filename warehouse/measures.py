@@ -1,5 +1,5 @@
 """The peers' measures as pure functions of merged sums: covariances, linearity, CKA, orthogonal
-Procrustes, TwoNN.  No I/O: merge.py feeds them the merged moments and samples."""
+Procrustes, TwoNN.  No I/O: the merge (warehouse/merge/) feeds them the merged moments and samples."""
 
 from __future__ import annotations
 

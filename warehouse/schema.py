@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 5  # 5: layer_sums gained sum_abs, curvature and prompt-entropy sums; sequence_moments, massive; 4: layer_metrics gained intra_types, intra_sim_sum; 3: merged tables folded at commit; 2: layer_sums gained sum_h, sum_u2, windows, window_cos
+SCHEMA_VERSION = 6  # 6: layer_sums gained the layer change (change_*) and the windows' mean unit vectors (unit_windows, sum_ubar, sum_ubar_sq); 5: layer_sums gained sum_abs, curvature and prompt-entropy sums; sequence_moments, massive; 4: layer_metrics gained intra_types, intra_sim_sum; 3: merged tables folded at commit; 2: layer_sums gained sum_h, sum_u2, windows, window_cos
 
 # Partition columns, in directory order, per table.
 DATA_PARTITIONS = ("model", "checkpoint", "source", "shard")
@@ -74,8 +74,19 @@ LAYER_SUMS = pa.schema(
         pa.field("curv_sum", pa.float64()),  # Σ over them of the window's mean curvature angle
         pa.field("pe_windows", pa.int64()),  # windows with ≥ 2 vectors (prompt entropy)
         pa.field("pe_sum", pa.float64()),  # Σ over them of the normalised prompt entropy
+        # from this layer to the next, over the vectors counted (finite, non-zero) at both (NULL on the last layer)
+        pa.field("change_n", pa.int64()),  # their number
+        pa.field("change_cos", pa.float64()),  # Σ cos(h_layer, h_layer+1)
+        pa.field("change_angle", pa.float64()),  # Σ angle/π, the angle 2·atan2(‖û − û'‖, ‖û + û'‖) = arccos(cos)
+        # per window with ≥ 1 counted vector, its mean unit vector ū_w = (Σ_{i∈w} û_i)/n_w
+        pa.field("unit_windows", pa.int64(), nullable=False),  # those windows
+        pa.field("sum_ubar", pa.list_(pa.float64()), nullable=False),  # Σ_w ū_w (d,)
+        pa.field("sum_ubar_sq", pa.float64(), nullable=False),  # Σ_w ‖ū_w‖²
     ]
 )
+
+# layer_sums' layer-change sums (NULL on a partial's last layer).
+CHANGE_SUMS = ("change_n", "change_cos", "change_angle")
 
 # layer_sums' per-layer scalars of the per-window measures (extract/sequences.py), NULL where not measured.
 WINDOW_SCALARS = ("sum_abs", "curv_windows", "curv_sum", "pe_windows", "pe_sum")

@@ -1,16 +1,23 @@
 """The per-layer arithmetic of the token-sum pass, as functions on tensors: the compiled GPU step
-(`layer_step` under torch.compile), the eager path's per-window sums (`window_sums`), and the row
+(`layer_step` under torch.compile), the eager path's per-window sums (`window_sums`), the row
 terms the per-window measures need (`row_terms` and its chunked forms), computed by whichever pass
-already holds the rows in float64 — so the rows are not read again.
+already holds the rows in float64 — so the rows are not read again — the layer-to-layer change of
+each row (`change_distance`, `change_norms`, `change_sums`) and the windows' mean unit vectors
+(`unit_means`).
 
 **Precision.**  The norm is taken in float64 from the activations as they are (`dtype=` upcasts
 inside the kernel) and û = h · (1/‖h‖) is formed in float64 by type promotion, so ‖û‖² = 1 to
 ~1e-16.  Vectors with a NaN/inf component or zero norm are counted and excluded, never summed.
+The angle between a row's unit vectors at two layers is 2·atan2(‖a − b‖, ‖a + b‖), ‖a − b‖ the norm
+of the float64 differences and ‖a + b‖ from it up to π/2, the norm of the float64 sums beyond
+(`change_norms`): accurate to a few 1e-16 radians at any angle, where arccos of the cosine would
+lose half the digits near 0 (arccos(1 − ε) ≈ √(2ε): 1.5e-8 at ε = 1e-16).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -38,6 +45,61 @@ def window_sums(h: torch.Tensor, norm: torch.Tensor, x: torch.Tensor, ok: torch.
     return mu[:n_win], mu[n_win:]
 
 
+def unit_means(u: torch.Tensor, n_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What random-word similarity needs of one batch's windows: u (B, d) float64 Σû per window, n_w
+    (B,) the vectors counted in each.  With ū_w = Σû / n_w the window's mean unit vector (ū = û for a
+    window of one vector; a window of none is left out): returns (windows with n_w ≥ 1 () int64,
+    Σ_w ū_w (d,) float64, Σ_w ‖ū_w‖² () float64).  O(B·d): the window sums are made anyway."""
+    has = n_w > 0  # (B,)
+    ubar = u / n_w.clamp(min=1).unsqueeze(1).to(u.dtype)  # (B, d); rows of empty windows are 0 / 1 = 0
+    ubar = torch.where(has.unsqueeze(1), ubar, 0.0)
+    return has.sum(), ubar.sum(0), (ubar * ubar).sum()
+
+
+def change_distance(prev: torch.Tensor, prev_inv: torch.Tensor, x: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """‖a − x‖ (n,) float64 of a row's unit vectors at two layers: prev (n, d) the previous layer's rows in
+    their own dtype (excluded ones zero), prev_inv (n,) float64 1/‖prev‖ (0 where excluded), x (n, d)
+    float64 this layer's û (0 where excluded); a = prev · prev_inv, the previous layer's û formed in
+    float64 as the token sums form û.  One pass (`addcmul`: x − prev · prev_inv, into `out` (n, d)
+    float64 where given) and the norm of those float64 differences: ~1e-16 relative however small."""
+    return torch.linalg.vector_norm(torch.addcmul(x, prev, prev_inv.unsqueeze(-1), value=-1, out=out), dim=-1)
+
+
+def change_sum_norm(prev: torch.Tensor, prev_inv: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """‖a + x‖ (n,) float64, the norm of the float64 sums (arguments as `change_distance`)."""
+    return torch.linalg.vector_norm(torch.addcmul(x, prev, prev_inv.unsqueeze(-1)), dim=-1)
+
+
+def opposite_norm(minus: torch.Tensor) -> torch.Tensor:
+    """‖a + x‖ = √(4 − ‖a − x‖²) of unit vectors a, x, from `change_distance`'s ‖a − x‖: ~1e-16 relative
+    where ‖a − x‖² ≤ 2 (an angle ≤ π/2, ‖a + x‖ ≥ √2; ‖a‖ = ‖x‖ = 1 to ~1e-16); beyond, where it
+    cancels, `change_norms` takes `change_sum_norm` instead."""
+    return (4.0 - minus * minus).clamp_min(0.0).sqrt()
+
+
+def change_norms(prev: torch.Tensor, prev_inv: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(‖a − x‖, ‖a + x‖) (n,) float64 for `change_sums` (arguments as `change_distance`; any leading
+    dims): ‖a + x‖ is `opposite_norm` where ‖a − x‖² ≤ 2, else `change_sum_norm` — both computed for
+    every row here (the GPU's paths).  The CPU's chunked path gets the same values with
+    `change_distance` per chunk and `change_sum_norm` only for the rows beyond π/2 (rare between
+    consecutive layers)."""
+    minus = change_distance(prev, prev_inv, x)
+    return minus, torch.where(minus * minus > 2.0, change_sum_norm(prev, prev_inv, x), opposite_norm(minus))
+
+
+def change_sums(minus: torch.Tensor, plus: torch.Tensor, pair: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer-change sums of rows `pair` (…,) bool (counted, finite and non-zero at both layers)
+    from `change_norms`' (‖a − b‖, ‖a + b‖) of unit vectors a, b: (pairs () int64, Σ cos(a, b),
+    Σ θ/π) float64, with cos = (‖a + b‖² − ‖a − b‖²)/4 = ⟨a, b⟩ and θ = 2·atan2(‖a − b‖, ‖a + b‖) the
+    angle between them (= arccos(cos), without its loss of precision near cos = ±1)."""
+    cos = (plus - minus) * (plus + minus) * 0.25  # (…,)
+    theta = 2.0 * torch.atan2(minus, plus)  # (…,) radians
+    return (pair.sum(), torch.where(pair, cos, 0.0).sum(),
+            torch.where(pair, theta, 0.0).sum() * (1.0 / math.pi))
+
+
 @functools.cache
 def compiled_layer_step():
     """`layer_step` under torch.compile, one compiled function per process.  Shapes: the sizes that
@@ -50,40 +112,45 @@ def compiled_layer_step():
     return torch.compile(layer_step, dynamic=None)
 
 
-def run_compiled(fn, sums, counts, index, hidden, sel, counted, nxt=None):
+def run_compiled(fn, sums, counts, index, hidden, sel, counted, nxt=None, prev=None, prev_inv=None):
     """Call the compiled `layer_step`, its changing sizes marked unbacked (see `compiled_layer_step`),
     and with torch's recompile limit made an error (caught by `add`: the eager path, with a warning)
     instead of a silent fallback to eager inside torch."""
     import torch._dynamo.decorators  # loaded by torch.compile already; named here for the linters
 
     mark = torch._dynamo.decorators.mark_unbacked
-    for t in (sums, counts, index, sel) if nxt is None else (sums, counts, index, sel, nxt):
-        mark(t, 0)
-    for t in (hidden, counted):
-        mark(t, 0)
-        mark(t, 1)
+    for t in (sums, counts, index, sel, nxt):
+        if t is not None:
+            mark(t, 0)
+    for t in (hidden, counted, prev, prev_inv):
+        if t is not None:
+            mark(t, 0)
+            mark(t, 1)
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        if nxt is None:
-            return fn(sums, counts, index, hidden, sel, counted)
-        return fn(sums, counts, index, hidden, sel, counted, nxt)
+        return fn(sums, counts, index, hidden, sel, counted, nxt, prev, prev_inv)
 
 
 def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hidden: torch.Tensor,
-               sel: torch.Tensor, counted: torch.Tensor, nxt: torch.Tensor | None = None):
+               sel: torch.Tensor, counted: torch.Tensor, nxt: torch.Tensor | None = None,
+               prev: torch.Tensor | None = None, prev_inv: torch.Tensor | None = None):
     """One layer of one batch, written for `torch.compile` (the GPU path): sums (U, d) float64 +=
     û of the counted positions of hidden (B, T, d) (flat positions `sel` (M,), slots `index`
     (M,)), counts += 1 per finite non-zero vector; plus the per-window sums the eager path gets
     from `window_sums`, here as plain reductions over T (no atomics on B rows).  Returns (vectors with NaN/inf, with zero norm,
     the counted finite non-zero positions (B, T) (for the moments),
-    Σh per window (B, d), Σû per window (B, d), vectors per window (B,), Σû² (d,)) as device
-    tensors: no sync.  Compiled, the upcast, scaling and masking fuse into the reductions and the
+    Σh per window (B, d), Σû per window (B, d), vectors per window (B,), Σû² (d,), 1/‖h‖ (B, T)
+    float64 (0 where not counted, finite and non-zero: the next layer's `prev_inv`), and the
+    layer-change sums of `change_sums` from the previous layer to this one (zeros without `prev`))
+    as device tensors: no sync.  Compiled, the upcast, scaling and masking fuse into the reductions and the
     scatter-add, so no (B, T, d) float64 tensor is materialised; eager, it is the same arithmetic.
     With `nxt` (B·T,) (each counted position's next counted position, `--sequences`): also the
-    per-window measures' `row_terms` of the counted rows (float64, masked; (M,) each).
+    per-window measures' `row_terms` of the counted rows (float64, masked; (M,) each).  With `prev`
+    (B, T, d) and `prev_inv` (B, T): the previous layer's hidden states of the same batch and their
+    `1/‖h‖` as this step returned it for that layer.
 
     The reductions are written in two shapes, so that a compiler that makes one kernel per shape
     (Triton: per (outputs, reduction length)) reads h in as few kernels as it can: per position, over
-    d — the norm and the row terms (the successor rows by index: neighbouring rows) — and per
+    d — the norm, the layer change and the row terms (the successor rows by index: neighbouring rows) — and per
     window, over T — Σh, Σû and Σû² (taken per window, then over the B windows: a reduction over
     all B·T rows at once would be a third shape, another pass over h)."""
     d = hidden.shape[-1]
@@ -95,8 +162,19 @@ def layer_step(sums: torch.Tensor, counts: torch.Tensor, index: torch.Tensor, hi
     x = hm * inv.unsqueeze(-1)  # (B, T, d) û, zero where not counted
     sums.index_add_(0, index, x.reshape(-1, d).index_select(0, sel))
     counts.index_add_(0, index, ok.reshape(-1).index_select(0, sel).long())
+    if prev is None:
+        change = (torch.zeros((), dtype=torch.int64, device=hidden.device),
+                  torch.zeros((), dtype=torch.float64, device=hidden.device),
+                  torch.zeros((), dtype=torch.float64, device=hidden.device))
+    else:  # the same batch's positions: tell the compiler the unbacked sizes agree
+        torch._check(prev.shape[0] == hidden.shape[0])
+        torch._check(prev.shape[1] == hidden.shape[1])
+        torch._check(prev_inv.shape[0] == hidden.shape[0])
+        torch._check(prev_inv.shape[1] == hidden.shape[1])
+        pm = torch.where((prev_inv > 0).unsqueeze(-1), prev, 0.0)  # (B, T, d) excluded rows zero (NaN · 0 is NaN)
+        change = change_sums(*change_norms(pm, prev_inv, x), ok & (prev_inv > 0))
     out = ((counted & ~finite).sum(), (counted & finite & (norm == 0)).sum(), ok,
-           hm.sum(1), x.sum(1), ok.sum(1), (x * x).sum(1).sum(0))
+           hm.sum(1), x.sum(1), ok.sum(1), (x * x).sum(1).sum(0), inv, *change)
     if nxt is None:
         return out
     return out + tuple(t.index_select(0, sel) for t in row_terms(hm.reshape(-1, d), nxt))

@@ -35,7 +35,8 @@ import torch
 from common.errors import UserError
 
 from . import fused as fused_kernels
-from .kernels import chunk_terms, compiled_layer_step, run_compiled, window_sums
+from .kernels import (change_distance, change_norms, change_sum_norm, change_sums, chunk_terms, compiled_layer_step,
+                      opposite_norm, run_compiled, unit_means, window_sums)
 from .moments import Moments
 from .paths import first_line, slow_path
 from .sample import Sample
@@ -72,6 +73,17 @@ class TokenSums:
         self.sum_u2 = torch.zeros(n_layers, d, dtype=torch.float64, device=self.device)  # Σ û_i² per dim
         self.windows = torch.zeros(n_layers, dtype=torch.int64, device=self.device)  # windows with ≥ 2 vectors
         self.window_cos = torch.zeros(n_layers, dtype=torch.float64, device=self.device)  # Σ_w mean cos(h, m_w)
+        # windows with ≥ 1 vector, Σ_w ū_w and Σ_w ‖ū_w‖² of their mean unit vectors ū_w (`unit_means`)
+        self.unit_windows = torch.zeros(n_layers, dtype=torch.int64, device=self.device)
+        self.sum_ubar = torch.zeros(n_layers, d, dtype=torch.float64, device=self.device)
+        self.sum_ubar_sq = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
+        # at index l, from layer l to l + 1 over the vectors counted at both (`change_sums`): their number,
+        # Σ cos and Σ angle/π (the last index stays 0: no layer after it)
+        self.change_n = torch.zeros(n_layers, dtype=torch.int64, device=self.device)
+        self.change_cos = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
+        self.change_angle = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
+        self._prev = None  # (layer, its rows, their 1/‖h‖) of the batch's last layer added (`_prev_rows`)
+        self._change_buf = None  # the CPU path's (CHUNK, d) float64 buffer for `change_norms`
         self._batch = None
         self._nxt = None  # (B·T,) the positions' next counted positions (`set_batch`, compiled step with `extra`)
         # On a GPU, a few compiled kernels per layer (norm; scale + scatter-add; per-window
@@ -239,13 +251,14 @@ class TokenSums:
         self._ones = torch.ones(len(ids), dtype=torch.int64, device=self.device)
         self._rows_counted = len(ids)
         if self._triton and (lacking := sorted(set(self.layer_sums()) - fused_kernels.FILLS)):
-            slow_path(self.paths, "layer_step", f"compiled (triton kernels lack {', '.join(lacking)})",
-                      f"the Triton kernels of the accumulation step do not add {', '.join(lacking)}; using the "
-                      "compiled step (slower, same sums)")
-            self.paths["scatter"] = "atomic"
+            # sums the kernels do not add: the compiled step (else eager), which adds every one (recorded,
+            # no warning: it is the path such an accumulator always takes)
+            step = "compiled" if self._fused is not None else "eager"
+            self.paths.update(layer_step=f"{step} (triton kernels lack {', '.join(lacking)})", scatter="atomic")
             self._triton = False
         self._plan = (fused_kernels.plan(sel_np, slots, B, T, self.L, self._h2d)
                       if self._triton and not self.fold_partials else None)
+        self._prev = None
         return len(ids)
 
     def add(self, layer: int, hidden: torch.Tensor) -> None:
@@ -257,9 +270,12 @@ class TokenSums:
         if self._plan is not None and self.sample is None and self.extra is None:
             return self._add_triton(layer, hidden)
         if self._fused is not None and self.sample is None and uniq is None:
+            prev = self._prev if self._prev is not None and self._prev[0] == layer - 1 else None
+            if prev is not None and prev[1].dim() == 2:  # the eager path's rows (M, d): not the step's input
+                prev = None
             try:
                 stats = run_compiled(self._fused, self.sums[layer], self.counts[layer], index, hidden, sel,
-                                      self._counted, self._nxt)
+                                      self._counted, self._nxt, *(prev[1:] if prev is not None else (None, None)))
             except Exception as e:  # no Triton / compiler here, or a recompile failed or hit the limit:
                 # the eager path from here on, same sums (a compile fails before the step writes anything)
                 why = "recompile" if self._compiled_once else "compile"
@@ -270,7 +286,10 @@ class TokenSums:
             else:
                 self._compiled_once = True
                 nonfinite, zero, ok_bt, *windows = stats
-                windows, terms = windows[:4], windows[4:]  # terms: `row_terms` (with `extra`)
+                windows, inv, change, terms = windows[:4], windows[4], windows[5:8], windows[8:]  # terms: `row_terms`
+                self._keep(layer, hidden, inv)  # (B, T, d), (B, T): the next layer's `prev`
+                if prev is not None:
+                    self._add_change(layer - 1, *change)
                 self.nonfinite[layer] += nonfinite
                 self.zero[layer] += zero
                 self._window_stats(layer, *windows)
@@ -307,6 +326,10 @@ class TokenSums:
         if self.moments is not None:
             self.moments.add(layer, h, ok)
         x = h * inv.unsqueeze(1)  # (M, d) float64 û (type promotion: exact upcast, float64 product)
+        prev = self._prev_rows(layer, sel)
+        if prev is not None:
+            self._add_change(layer - 1, *change_sums(*change_norms(prev[0], prev[1], x), ok & (prev[1] > 0)))
+        self._keep(layer, h, inv)
         m, u = window_sums(h, norm, x, counts, win, n_win, cols)
         self._window_stats(layer, m, u, n_w, (x * x).sum(0))
         if uniq is None:
@@ -343,6 +366,34 @@ class TokenSums:
         if self.moments is not None:
             self.moments.add(layer, out.rows, out.ok, s=out.s, n=out.n)
 
+    def _prev_rows(self, layer: int, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The previous layer's counted rows (M, d) (excluded ones zero) and their 1/‖h‖ (M,) float64 (0
+        where excluded) for the layer change to `layer`, or None (the batch's first layer).  Taken from
+        the compiled step's (B, T, d) input where that step ran the previous layer (its fallback to
+        the eager path in the middle of a batch)."""
+        if self._prev is None or self._prev[0] != layer - 1:
+            return None
+        _, rows, inv = self._prev
+        if rows.dim() == 3:  # the compiled step's hidden (B, T, d) and 1/‖h‖ (B, T)
+            inv = inv.reshape(-1).index_select(0, sel)
+            rows = rows.reshape(-1, rows.shape[-1]).index_select(0, sel).masked_fill(~(inv > 0).unsqueeze(1), 0)
+        return rows, inv
+
+    def _keep(self, layer: int, rows: torch.Tensor, inv: torch.Tensor) -> None:
+        """Keep a layer's rows and their 1/‖h‖ for the next layer's change (nothing after the last layer:
+        the rows are not held until the next batch).  The eager paths keep the rows they gathered (a
+        copy); the compiled step keeps the model's own hidden states (B, T, d) by reference, which is
+        right as long as the next layer does not write into its input in place (the residual additions
+        of the families tested here are out of place; inference tensors carry no version counter that
+        could check it)."""
+        self._prev = (layer, rows, inv) if layer + 1 < self.L else None
+
+    def _add_change(self, at: int, n: torch.Tensor, cos: torch.Tensor, angle: torch.Tensor) -> None:
+        """Fold one batch's `change_sums` from layer `at` to `at` + 1 into index `at`."""
+        self.change_n[at] += n
+        self.change_cos[at] += cos
+        self.change_angle[at] += angle
+
     def _exclude(self, layer: int, finite: torch.Tensor, ok: torch.Tensor, win: torch.Tensor, n_win: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch with NaN/inf or zero vectors (finite, ok: (M,)): counts them per layer and returns
@@ -377,6 +428,8 @@ class TokenSums:
         u2 = torch.zeros(d, dtype=f64)  # Σû² per dimension
         S = self.sums[layer]
         finites, oks, excluded = [], [], False  # per chunk: its finite rows, its finite non-zero rows (c,)
+        invs, change = [], []  # per chunk: 1/‖h‖ (0 where excluded); ‖û_prev − û‖ (`change_distance`)
+        prev = self._prev_rows(layer, self._batch[0])
         fuse = self.extra is not None and (self.WINDOW_TERMS if self.WINDOW_TERMS is not None
                                            else self.extra._worker is None)
         terms = [] if fuse else None  # per chunk: `row_terms` of its rows
@@ -399,6 +452,11 @@ class TokenSums:
                 terms.append(chunk_terms(xe, o, b == M))
             m.index_add_(0, win[a:b], x)
             x.mul_(inv.unsqueeze(1))  # û
+            invs.append(inv)
+            if prev is not None:  # the change from the previous layer's rows of the chunk (upcast here)
+                if self._change_buf is None or self._change_buf.shape != (self.CHUNK, d):
+                    self._change_buf = torch.empty(self.CHUNK, d, dtype=f64)
+                change.append(change_distance(prev[0][a:b], prev[1][a:b], x, out=self._change_buf[: b - a]))
             u.index_add_(0, win[a:b], x)
             S.index_add_(0, index[a:b], x)
             u2 += x.mul_(x).sum(0)
@@ -407,6 +465,16 @@ class TokenSums:
         if excluded:
             counts, n_w = self._exclude(layer, torch.cat(finites), ok, win, n_win)
             h = h.masked_fill(~ok.unsqueeze(1), 0)
+        inv = torch.cat(invs)  # (M,)
+        if prev is not None:  # `change_norms`' values, summed over all M rows at once as the general path does
+            minus = torch.cat(change)  # (M,)
+            plus = opposite_norm(minus)
+            far = (minus * minus > 2.0).nonzero().squeeze(1)  # rows beyond π/2: ‖a + x‖ from their rows
+            if len(far):
+                x = h.index_select(0, far).to(f64) * inv.index_select(0, far).unsqueeze(1)  # their û, as above
+                plus[far] = change_sum_norm(prev[0].index_select(0, far), prev[1].index_select(0, far), x)
+            self._add_change(layer - 1, *change_sums(minus, plus, ok & (prev[1] > 0)))
+        self._keep(layer, h, inv)
         self.counts[layer].index_add_(0, index, counts)
         self._window_stats(layer, m, u, n_w, u2)
         if self.moments is not None:
@@ -420,6 +488,10 @@ class TokenSums:
         """Fold one batch's per-window sums m = Σh (B, d), u = Σû (B, d), n_w (B,) and Σû² (d,)."""
         self.sum_h[layer] += m.sum(0)
         self.sum_u2[layer] += u2
+        windows, ubar, ubar_sq = unit_means(u, n_w)
+        self.unit_windows[layer] += windows
+        self.sum_ubar[layer] += ubar
+        self.sum_ubar_sq[layer] += ubar_sq
         norm = torch.linalg.vector_norm(m, dim=1)  # (B,)
         valid = (n_w >= 2) & (norm > 0)
         # mean over the window's vectors of cos(h_i, m_w) = ⟨Σ_i û_i, m_w⟩ / (‖m_w‖ n_w)

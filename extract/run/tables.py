@@ -85,12 +85,16 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
         writers.append(store.TableWriter(root, "layer_sums", values, run_id))
         layer_rows = {k: [] for k in ("layer", "layer_kind", "n_layers", "n", "sum_sq", "n_nonfinite",
                                       "n_zero", "vec", "sum_h", "sum_u2", "windows", "window_cos",
-                                      *schema.WINDOW_SCALARS)}
+                                      *schema.WINDOW_SCALARS, *schema.CHANGE_SUMS, "unit_windows", "sum_ubar",
+                                      "sum_ubar_sq")}
         ex = acc.extra
         scalars = ex.scalars() if ex is not None else {k: [None] * len(kinds) for k in schema.WINDOW_SCALARS}
         nonfinite, zero = acc.nonfinite.cpu(), acc.zero.cpu()
         sum_h, sum_u2 = acc.sum_h.cpu().numpy(), acc.sum_u2.cpu().numpy()
         windows, window_cos = acc.windows.cpu().numpy(), acc.window_cos.cpu().numpy()
+        change = {k: getattr(acc, k).cpu().tolist() for k in schema.CHANGE_SUMS}  # index l: layer l → l + 1
+        unit_windows, sum_ubar = acc.unit_windows.cpu().tolist(), acc.sum_ubar.cpu().numpy()
+        sum_ubar_sq = acc.sum_ubar_sq.cpu().tolist()
         for layer, kind in enumerate(kinds):
             total, n_total = totals[layer]
             layer_rows["layer"].append(layer)
@@ -107,6 +111,11 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
             layer_rows["window_cos"].append(float(window_cos[layer]))
             for k, v in scalars.items():
                 layer_rows[k].append(v[layer])
+            for k, v in change.items():
+                layer_rows[k].append(v[layer] if layer + 1 < len(kinds) else None)
+            layer_rows["unit_windows"].append(unit_windows[layer])
+            layer_rows["sum_ubar"].append(sum_ubar[layer].tolist())
+            layer_rows["sum_ubar_sq"].append(sum_ubar_sq[layer])
         writers[1].write({**{k: [v] * len(kinds) for k, v in key.items()}, **layer_rows})
         files = {"token_sums": writers[0].close(), "layer_sums": writers[1].close()}
         if acc.moments is not None:

@@ -34,8 +34,10 @@ from ..measures import (covariance, cross_covariance, linearity_from_cov, simila
 # ---------------------------------------------------------------- layer totals
 
 
-_LAYER_INTS = ("n", "n_nonfinite", "n_zero", "windows")
-_LAYER_VECS = ("sum_h", "sum_u2")
+_LAYER_INTS = ("n", "n_nonfinite", "n_zero", "windows", "unit_windows")
+_LAYER_VECS = ("sum_h", "sum_u2", "sum_ubar")
+_LAYER_FLOATS = ("window_cos", "sum_ubar_sq")
+_CHANGE = schema.CHANGE_SUMS  # NULL on the last layer: a NULL in any partial makes the group's NULL
 
 
 def _fold_layers(st: Storage, old: Entry | None, adds: list[Entry], removes: list[Entry]) -> dict[int, dict]:
@@ -52,14 +54,17 @@ def _fold_layers(st: Storage, old: Entry | None, adds: list[Entry], removes: lis
                 if tot is None:
                     tot = state[r["layer"]] = {
                         "layer": r["layer"], "layer_kind": r["layer_kind"], "n_layers": r["n_layers"],
-                        "sum_sq": 0.0, "window_cos": 0.0, "vec": np.zeros_like(v),
-                        **{k: 0 for k in _LAYER_INTS}, **{k: np.zeros_like(v) for k in _LAYER_VECS}}
+                        "sum_sq": 0.0, "vec": np.zeros_like(v), **{k: 0.0 for k in _LAYER_FLOATS},
+                        **{k: 0 for k in (*_LAYER_INTS, *_CHANGE)}, **{k: np.zeros_like(v) for k in _LAYER_VECS}}
                 sq = np.array([tot["sum_sq"]])
                 fold_rows(tot["vec"].reshape(1, -1), sq, np.array([0]), v[None], np.array([r["sum_sq"]]), sign)
                 tot["sum_sq"] = float(sq[0])
                 for k in _LAYER_INTS:
                     tot[k] += sign * r[k]
-                tot["window_cos"] += sign * r["window_cos"]
+                for k in _LAYER_FLOATS:
+                    tot[k] += sign * r[k]
+                for k in _CHANGE:
+                    tot[k] = None if tot[k] is None or r[k] is None else tot[k] + sign * r[k]
                 for k in _LAYER_VECS:
                     tot[k] = tot[k] + sign * np.asarray(r[k])
     return state
