@@ -107,7 +107,9 @@ def main() -> None:
     ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                     help="compiled layer step (default: on for cuda)")
     ap.add_argument("--triton", action=argparse.BooleanOptionalAction, default=None,
-                    help="the Triton token-sum kernels (extract/accumulate/fused.py; default: on for cuda where Triton is)")
+                    help="the Triton token-sum kernels (extract/accumulate/fused.py): --triton drops the per-layer sums "
+                         "they do not add (the layer change, the windows' mean unit vectors), so that they run; "
+                         "default: as extract (the compiled step while those sums are kept)")
     ap.add_argument("--split-all", action="store_true",
                     help="bf16 moments: every layer's rows centred and split into hi + lo (a trained model's "
                          "mean-dominated layers; random weights take the raw rows)")
@@ -161,6 +163,11 @@ def main() -> None:
         budget = int(args.budget * 2**30) if args.budget else None
         acc = TokenSums(len(kinds), args.vocab, args.hidden, args.device, budget=budget, fused=args.fused,
                         triton=args.triton)
+        if args.triton:
+            from extract.accumulate import fused as fused_kernels
+
+            for name in set(acc.layer_sums()) - fused_kernels.FILLS:
+                delattr(acc, name)  # sums the kernels do not add: dropped, so that the kernels run
         if args.moments_precision is None:
             args.moments_precision = ("bfloat16" if args.device.startswith("cuda") and args.dtype == "bfloat16"
                                       else "float32")
