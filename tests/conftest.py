@@ -113,3 +113,25 @@ def single(workdir, sources, model_factory):
     code, _, err = run_cli("extract", *args, "--warehouse", wh)
     assert code == 0, err
     return {"args": args, "wh": wh, "views": views(wh)}
+
+
+# ---------------------------------------------------------------- S3: one moto server a session
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """moto's S3 server on loopback with IAM auth (tests/s3_faults.py): env, client, endpoint, port."""
+    from s3_faults import moto_server
+
+    with moto_server(tmp_path_factory.mktemp("moto")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_proxy(s3):
+    """A fault-injecting proxy in front of the session's moto server (relays everything until a test
+    gives it rules: `with s3_proxy.faults(Rule(...)):`)."""
+    from s3_faults import FaultProxy
+
+    proxy = FaultProxy(s3["port"])
+    yield proxy
+    proxy.close()

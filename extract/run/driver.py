@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from common.errors import UserError
 from warehouse import merge, query, store
-from warehouse.storage import open_storage
+from warehouse.storage import UncertainWrite, open_storage
 
 from ..memory import limit_malloc_arenas, release_memory
 from ..models import DTYPES, Loaded, ModelRef, check_dtype, load, model_identity, to_compute
@@ -187,7 +187,7 @@ def _write_and_commit(run: _Run, loaded: Loaded, checkpoint: str, manifest: dict
                 after_commit(root, f"{run.ref.name}@{checkpoint}", failed_after[0], run.log)
         spent["commit"] = time.perf_counter() - t
     except BaseException as exc:
-        if not _keep_committed(run, checkpoint, work):
+        if not _keep_committed(run, checkpoint, work, keep=isinstance(exc, UncertainWrite)):
             if isinstance(exc, KeyboardInterrupt):
                 raise Interrupted(f"interrupted: nothing of {run.ref.name}@{checkpoint} was committed" +
                                   (f"; committed before it: {', '.join(run.committed)}" if run.committed else "")
@@ -196,11 +196,14 @@ def _write_and_commit(run: _Run, loaded: Loaded, checkpoint: str, manifest: dict
         after_commit(root, f"{run.ref.name}@{checkpoint}", exc, run.log)  # the record landed: say so
 
 
-def _keep_committed(run: _Run, checkpoint: str, work: _Work) -> bool:
-    """After a failure: removes the files no landed commit lists and releases the run's lease;
-    returns whether the checkpoint's commit landed (every entry's files in the warehouse)."""
+def _keep_committed(run: _Run, checkpoint: str, work: _Work, keep: bool = False) -> bool:
+    """After a failure: removes the files no landed commit lists (none with `keep` or when the state
+    cannot be read: a record that may still land would list them) and releases the run's lease;
+    returns whether the checkpoint's commit is known to have landed (every entry's files listed)."""
     kept = merge.committed_files(run.root, work.entries)  # the live manifest: did the commit land?
-    for rel in work.written:  # files of a commit that did not happen (never of one that did)
+    if kept is None:  # the state cannot be read: not known to have landed, and nothing deleted
+        kept, keep = set(), True
+    for rel in [] if keep else work.written:  # files of a commit that did not happen (never of one that did)
         if rel not in kept:
             with contextlib.suppress(Exception):  # a storage fault: an orphan for validate --fix
                 run.root.delete(rel)
