@@ -16,6 +16,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Plain progress lines (stderr is no terminal under pytest) only when a test asks: a test that counts
 # stderr's lines (one `error:` line) must not see a 10 % line of a slow machine (tests/test_progress.py).
 os.environ.setdefault("ISO_PROGRESS_INTERVAL", "3600")
+os.environ.setdefault("ISO_PARAMS_CACHE", "off")
+if "TRITON_INTERPRET" not in os.environ:  # the Triton kernels (extract/accumulate/fused.py) in Triton's
+    import torch  # interpreter where there is no GPU to compile them for (read when Triton is imported)
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # no cache of parameter tables in ~/.cache (its own test sets one)
 # Under pytest-xdist the workers already fill the cores: each worker (and every process it starts)
 # gets cores ÷ workers intra-op threads, instead of each worker's OpenMP pool spinning on every core
 # (on 2 cores with -n 2: the suite 11 m → 9 m).  Set OMP_NUM_THREADS to choose otherwise.

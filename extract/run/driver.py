@@ -168,7 +168,7 @@ def _write_and_commit(run: _Run, loaded: Loaded, checkpoint: str, manifest: dict
         if params_kept(manifest, loaded, prov) or (reducer is not None and not reducer.writes):
             spent["parameter tables (kept)" if reducer is None or reducer.writes else "parameter tables (rank 0)"] = 0.0
         else:
-            params_files = write_params(root, loaded, work.run_id)
+            params_files = write_params(root, loaded, work.run_id, prov)
             spent["parameter tables"] = time.perf_counter() - t
             work.written += params_files.values()
             work.entries = [manifest_entry("params", loaded, work.run_id, params_files, settings, loaded.d, prov=prov)]

@@ -8,6 +8,8 @@ layer's output to the sums."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -22,16 +24,28 @@ from ..accumulate import AttentionSums, Moments, Sample, TokenSums
 from ..architectures import get_module
 from ..attention import attention_plan, capture_attention
 from ..hooks import capture_layers, layer_kinds
+from ..masks import known_padding
 from ..memory import available_memory
 from ..models import Loaded, forward_kwargs
 from ..sequences import WindowMeasures
 from ..sources import (ReadStats, SentenceSplitter, Source, indexed_documents, position_keys, source_salt,
                        split_documents, split_source)
-from ..staging import Prefetch
+from ..staging import Prefetch, stage
 from .settings import Settings, SourceResult
 from .windows import Batcher, Windower, batch_limits, batches, windows
 
 PREFETCH_BATCHES = 4  # batches made ahead on a background thread (extract/staging.py); 0: in the loop
+PREFETCH_ENV = "ISO_PREFETCH"  # overrides PREFETCH_BATCHES (benchmarks: the thread budget's variants)
+
+
+def prefetch_batches() -> int:
+    """Batches made ahead: $ISO_PREFETCH, else PREFETCH_BATCHES."""
+    value = os.environ.get(PREFETCH_ENV, "").strip()
+    if not value:
+        return PREFETCH_BATCHES
+    if not value.isdigit():
+        raise UserError(f"{PREFETCH_ENV}={value!r}: expected a number of batches (0: made in the loop)")
+    return int(value)
 MASK_ONLY_WITH_PADDING = True  # a batch without padding goes in with attention_mask=None (same sums)
 
 
@@ -89,10 +103,12 @@ def base_forward(loaded: Loaded, settings: Settings):
     device = settings.device
 
     def run(input_ids: torch.Tensor, mask: torch.Tensor | None) -> None:  # (B, T) each, on the host
-        if mask is not None and MASK_ONLY_WITH_PADDING and bool(mask.all()):  # a host tensor: no device sync
+        if mask is not None and MASK_ONLY_WITH_PADDING and mask.numpy().all():  # a host tensor: no device sync
             mask = None  # no padding: no mask, so transformers' mask code has nothing to test on the device
-        base(input_ids=input_ids.to(device, non_blocking=True),
-             attention_mask=None if mask is None else mask.to(device, non_blocking=True), **kwargs)
+        # padding, known here: transformers' checks of the device mask answered from the host (masks.py)
+        with known_padding() if mask is not None and MASK_ONLY_WITH_PADDING else contextlib.nullcontext():
+            base(input_ids=input_ids.to(device, non_blocking=True),
+                 attention_mask=None if mask is None else mask.to(device, non_blocking=True), **kwargs)
 
     return run
 
@@ -153,7 +169,7 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
         specials = not source.pretokenized  # training rows are fed as the model saw them
         made = Prefetch(lambda: batches(  # tokenised and packed on a background thread, ≤ PREFETCH_BATCHES ahead
             loaded, windows(loaded, texts, settings, result, splitter, specials), *batch_limits(loaded, settings),
-            settings.special_tokens, specials), settings.device, PREFETCH_BATCHES)
+            settings.special_tokens, specials), settings.device, prefetch_batches())
         plan = attention_for(loaded, settings) if acc.attention is not None else None  # probed before the hooks
         with made, torch.inference_mode(), capture_layers(loaded.model, loaded.layout, acc.add), \
                 capture_attention(plan, acc.attention.add if plan is not None else None):
@@ -224,6 +240,7 @@ def accumulate_split(loaded: Loaded, source: Source, settings: Settings) -> list
         return parts[value]
 
     def run(part: SplitPart, batch) -> None:
+        batch = stage(batch, settings.device)  # pinned on CUDA, so the copies to the device do not wait
         current[0] = part.acc
         t = time.perf_counter()
         bar.update(forward_batch(forward, part.acc, batch, part.salt, part.result))

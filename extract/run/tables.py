@@ -16,10 +16,12 @@ import pyarrow as pa
 from warehouse import schema, store
 
 from ..accumulate import TokenSums
+from ..architectures import get_module
 from ..hooks import layer_kinds
 from ..models import Loaded
 from ..params import norm_table, partition_table, vocab_table
 from ..sources import Source
+from . import params_cache
 from .settings import Settings
 
 
@@ -169,14 +171,23 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
         raise
 
 
-def write_params(root, loaded: Loaded, run_id: str) -> dict[str, str]:
-    """The parameter tables of one checkpoint (partition_fn, norm_params, vocab); returns their files."""
+def write_params(root, loaded: Loaded, run_id: str, prov: dict | None = None) -> dict[str, str]:
+    """The parameter tables of one checkpoint (partition_fn, norm_params, vocab); returns their files.
+    With the checkpoint's provenance `prov`, the partition table comes from the cache of tables
+    (params_cache.py) where it holds this checkpoint's, else is computed and kept there."""
     values = {"model": loaded.ref.name, "checkpoint": loaded.checkpoint}
     key = {**values, "step": loaded.step}
     files = {}
     written = []
+    emb = get_module(loaded.model, loaded.layout.embedding).weight  # where and in what the table is computed
+    cached = None if prov is None else params_cache.cache_key(
+        prov.get("model_identity"), prov.get("params_code"), prov.get("layout"), f"{emb.device.type} {emb.dtype}")
+    partition = params_cache.read(cached)
+    if partition is None:
+        partition = partition_table(loaded)
+        params_cache.write(cached, partition)
     try:
-        for table, rows in (("partition_fn", partition_table(loaded)), ("norm_params", norm_table(loaded)),
+        for table, rows in (("partition_fn", partition), ("norm_params", norm_table(loaded)),
                             ("vocab", vocab_table(loaded))):
             w = store.TableWriter(root, table, values, run_id)
             written.append(w)
