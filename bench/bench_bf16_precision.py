@@ -1,6 +1,6 @@
 """Benchmark: the bf16 moments' error against float64 products of the same bf16 rows, raw rows
-against centred hi+lo rows (`Moments._add_bf16`), on the real all-MiniLM-L6-v2 in bf16 and on
-synthetic rows with a given ‖μ‖²/tr C.  Runs on the CPU (the same exact products as a GPU's tensor
+against centred hi+lo rows (`Moments._add_bf16`), on the real all-MiniLM-L6-v2 in bf16, on
+synthetic rows with a given ‖μ‖²/tr C, and on trained-like rows with two massive dimensions.  Runs on the CPU (the same exact products as a GPU's tensor
 cores, float32 accumulation in another order).
 
     python bench/bench_bf16_precision.py
@@ -30,6 +30,7 @@ from extract.accumulate.moments import Moments  # noqa: E402
 def feed(batches, L: int, d: int, ratio_cut: float, chunk: int):
     m = Moments(L, d, "cpu", cross=True, precision="bfloat16", background=False)
     m.SPLIT_RATIO = ratio_cut
+    m.SPLIT_DIM_RATIO = float("inf") if ratio_cut == float("inf") else m.SPLIT_DIM_RATIO
     m.CHUNK_BF16 = chunk
     for hs, ok in batches:
         for layer, h in enumerate(hs):
@@ -58,13 +59,15 @@ def report(name: str, batches, L: int, d: int, chunk: int) -> None:
     for hs, ok in batches:
         for layer, h in enumerate(hs):
             exact.add(layer, h, ok)
-    ratios = []
+    ratios, dims = [], []
     for layer in range(L):
         n = float(exact.n[layer])
         mu = exact.s1[layer].numpy() / n
-        tr = np.trace(exact.s2(layer)) / n - mu @ mu
-        ratios.append(mu @ mu / tr)
-    line = f"{name:34s} |mu|^2/trC {min(ratios):9.3g}–{max(ratios):<9.3g}"
+        var = np.diag(exact.s2(layer)) / n - mu * mu
+        ratios.append(mu @ mu / var.sum())
+        dims.append((mu * mu).max() / var.max())
+    line = (f"{name:34s} |mu|^2/trC {min(ratios):9.3g}–{max(ratios):<9.3g} max mu_i^2/max C_ii "
+            f"{min(dims):9.3g}–{max(dims):<9.3g}")
     for label, cut in (("raw", math.inf), ("split", 0.0), ("default", Moments.SPLIT_RATIO)):
         t = time.perf_counter()
         m = feed(batches, L, d, cut, chunk)
@@ -88,6 +91,28 @@ def synthetic(ratio: float, d: int, rows: int, L: int = 2, batch: int = 4096, se
         hs = [((mus[layer] + torch.randn(k, d, generator=g, dtype=torch.float64) * sig).bfloat16()
                .masked_fill(~ok[:, None], 0)) for layer in range(L)]
         out.append((hs, ok))
+    return out
+
+
+def massive(d: int, rows: int, big: float, n_big: int = 2, L: int = 2, batch: int = 4096, seed: int = 0):
+    """A trained-like layer: rows h = μ + z as in `synthetic` with a small mean (0.3 σ per dimension), but
+    `n_big` massive dimensions whose mean is `big` (σ 1 there): max μ_i²/max C_ii ≈ big² while ‖μ‖²/tr C
+    stays small at a large d."""
+    g = torch.Generator().manual_seed(seed)
+    sig = torch.logspace(0, -1, d, dtype=torch.float64)
+    mus = []
+    for _ in range(L):
+        mu = torch.randn(d, generator=g, dtype=torch.float64) * 0.3 * sig
+        mu[:n_big] = big
+        mus.append(mu)
+    s = sig.clone()
+    s[:n_big] = 1.0
+    out = []
+    for a in range(0, rows, batch):
+        k = min(batch, rows - a)
+        ok = torch.rand(k, generator=g) > 0.01
+        out.append(([((mu + torch.randn(k, d, generator=g, dtype=torch.float64) * s).bfloat16()
+                      .masked_fill(~ok[:, None], 0)) for mu in mus], ok))
     return out
 
 
@@ -125,14 +150,21 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=20_000)
     ap.add_argument("--chunk", type=int, default=Moments.CHUNK_BF16, help="rows per bf16 product")
     ap.add_argument("--minilm-tokens", type=int, default=20_000)
+    ap.add_argument("--massive-d", type=int, default=2048, help="d of the trained-like rows (massive dimensions)")
+    ap.add_argument("--only", choices=("minilm", "synthetic", "massive"), help="one kind of rows only")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, rows per product {args.chunk}, SPLIT_RATIO {Moments.SPLIT_RATIO:g}")
-    mb = minilm(args.minilm_tokens)
-    report(f"MiniLM bf16, {sum(len(b[1]) for b in mb)} tokens, 7 layers", mb, 7, 384, args.chunk)
-    for ratio in (1, 10, 100, 1e3, 1e4):
+    print(f"torch {torch.__version__}, rows per product {args.chunk}, SPLIT_RATIO {Moments.SPLIT_RATIO:g}, "
+          f"SPLIT_DIM_RATIO {Moments.SPLIT_DIM_RATIO:g}")
+    if args.only in (None, "minilm"):
+        mb = minilm(args.minilm_tokens)
+        report(f"MiniLM bf16, {sum(len(b[1]) for b in mb)} tokens, 7 layers", mb, 7, 384, args.chunk)
+    for ratio in (1, 10, 100, 1e3, 1e4) if args.only in (None, "synthetic") else ():
         report(f"synthetic d {args.d}, {args.rows} rows, ratio {ratio:g}", synthetic(ratio, args.d, args.rows),
                2, args.d, args.chunk)
+    for big in (5, 8, 10, 15, 25) if args.only in (None, "massive") else ():  # massive activations: max mu_i^2 / max C_ii ≈ big²
+        report(f"massive d {args.massive_d}, {args.rows} rows, 2 dims of mean {big:g}",
+               massive(args.massive_d, args.rows, big), 2, args.massive_d, args.chunk)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,13 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one extraction batch")
     ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                     help="compiled layer step (default: on for cuda)")
+    ap.add_argument("--triton", action=argparse.BooleanOptionalAction, default=None,
+                    help="the Triton token-sum kernels (extract/accumulate/fused.py): --triton drops the per-layer sums "
+                         "they do not add (the layer change, the windows' mean unit vectors), so that they run; "
+                         "default: as extract (the compiled step while those sums are kept)")
+    ap.add_argument("--split-all", action="store_true",
+                    help="bf16 moments: every layer's rows centred and split into hi + lo (a trained model's "
+                         "mean-dominated layers; random weights take the raw rows)")
     ap.add_argument("--check", action="store_true",
                     help="also run the other path (fused vs eager) over the same batches and compare the sums")
     ap.add_argument("--hidden", type=int, default=512)
@@ -154,7 +161,13 @@ def main() -> None:
         mask = torch.ones_like(batches[0])
         counted = torch.ones_like(host[0], dtype=torch.bool)
         budget = int(args.budget * 2**30) if args.budget else None
-        acc = TokenSums(len(kinds), args.vocab, args.hidden, args.device, budget=budget, fused=args.fused)
+        acc = TokenSums(len(kinds), args.vocab, args.hidden, args.device, budget=budget, fused=args.fused,
+                        triton=args.triton)
+        if args.triton:
+            from extract.accumulate import fused as fused_kernels
+
+            for name in set(acc.layer_sums()) - fused_kernels.FILLS:
+                delattr(acc, name)  # sums the kernels do not add: dropped, so that the kernels run
         if args.moments_precision is None:
             args.moments_precision = ("bfloat16" if args.device.startswith("cuda") and args.dtype == "bfloat16"
                                       else "float32")
@@ -162,6 +175,8 @@ def main() -> None:
             acc.moments = Moments(len(kinds), args.hidden, args.device, cross=args.cross_moments,
                                   precision=args.moments_precision,
                                   background=args.overlap)
+            if args.split_all:
+                acc.moments.SPLIT_RATIO = -1.0  # every layer's ‖μ‖²/tr C is above it
         if args.sample:
             acc.sample = Sample(len(kinds), args.sample, args.hidden)
         if args.sequences:
@@ -190,7 +205,7 @@ def main() -> None:
             if into is acc:
                 seen.append(i)
 
-        t_bare = t_ext = 0.0
+        t_bare = t_ext = c_bare = c_ext = 0.0  # wall and CPU seconds (process CPU: every thread)
         cuda = args.device.startswith("cuda")
         with torch.inference_mode():
             if cuda:
@@ -212,14 +227,16 @@ def main() -> None:
                 for i in range(len(batches)):
                     for fn in (bare, extract):
                         sync()
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         fn(i)
                         sync()
-                        dt = time.perf_counter() - t0
+                        dt, dc = time.perf_counter() - t0, time.process_time() - c0
                         if fn is bare:
                             t_bare += dt
+                            c_bare += dc
                         else:
                             t_ext += dt
+                            c_ext += dc
         tokens = args.repeats * args.batches * args.batch * args.seq
         print(f"model: {args.arch} hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; "
               f"{args.device} {args.dtype}; threads {torch.get_num_threads()}; "
@@ -230,6 +247,9 @@ def main() -> None:
         print(f"bare forward : {tokens / t_bare:10.0f} tok/s  ({t_bare:.2f} s)")
         print(f"extraction   : {tokens / t_ext:10.0f} tok/s  ({t_ext:.2f} s)")
         print(f"ratio (extraction time / bare time): {t_ext / t_bare:.3f}")
+        print(f"CPU seconds (all threads): bare {c_bare:.2f}, extraction {c_ext:.2f}, ratio {c_ext / max(c_bare, 1e-9):.3f}; "
+              f"load average {' '.join(open('/proc/loadavg').read().split()[:3]) if Path('/proc/loadavg').exists() else '?'}")
+        print(f"paths: {acc.paths}" + (f", moments {acc.moments.paths}" if acc.moments is not None else ""))
         print(f"token types seen: {acc.used} (+{len(acc.spills)} spills); accumulator tables "
               f"{acc.table_bytes() / 2**30:.2f} GiB (peak {acc.peak_bytes / 2**30:.2f} GiB; dense would be "
               f"{len(kinds) * args.vocab * args.hidden * 8 / 2**30:.1f} GiB)")

@@ -9,15 +9,22 @@ word-level tokenizer over 't0' … and '.') and three shapes of ~100k Zipf-distr
 * sentence  the same file, `--unit sentence` (pysbd splits; the paper's unit);
 * short     documents of 20–100 tokens, `--max-length 128`.
 
-Each shape runs three whole processes, alternating, `--runs` times: the default pass, `--no-moments`,
-and `bench/bare_forward.py` (same loader, windows and batches; the base model's forward alone).
-Printed per shape (medians): wall seconds, default ÷ --no-moments, --no-moments ÷ bare,
-default ÷ bare, tokens/s of the whole process, peak RSS; the same ratios of the forward loops alone
-(the per-token cost, without the per-checkpoint fixed costs); then sentence ÷ long in tokens/s.
+Each shape runs its variants as whole processes, alternating, `--runs` times: by default the default
+pass, `--no-moments` and `bench/bare_forward.py` (same loader, windows and batches; the base model's
+forward alone); any variant may carry environment variables (`default@ISO_MOMENTS_WORKER=inline`),
+and `--threads` runs the thread budget's variants (THREAD_VARIANTS) in one command.  Printed per
+shape and variant (medians): wall, forward-loop and CPU seconds (user + system, all threads: what
+oversubscription burns shows here even on a shared machine), each ÷ the bare forward under the same
+OMP_NUM_THREADS, tokens/s of the whole process, peak RSS; then sentence ÷ long in tokens/s, and
+the ratios run by run.  The load average is printed with every run: on a shared machine compare
+CPU seconds, and wall ratios only from one quiet hour.  A parameter-tables cache of the run's own
+(ISO_PARAMS_CACHE in a temporary folder) is filled by the first extract, as a user's is.
 
     python bench/bench_matrix.py                       # ~100k tokens per shape, 2 runs of each variant
     python bench/bench_matrix.py --tokens 20000 --runs 1 --shapes short sentence
     python bench/bench_matrix.py --extra=--batch-size --extra=32     # any extract flags, all shapes
+    python bench/bench_matrix.py --threads --tokens 100000 --runs 2  # every thread-budget variant
+    python bench/bench_matrix.py --variants bare default default@ISO_MOMENTS_WORKER=inline
 """
 
 from __future__ import annotations
@@ -82,25 +89,61 @@ def write_short(path: Path, tokens: int, vocab: int) -> None:
             n += k
 
 
-def run(variant: str, model: Path, source: Path, flags: list[str], wh: Path) -> dict:
-    """One whole process: wall seconds, peak RSS (GB), tokens, forward-loop seconds."""
-    if variant == "bare":
+# The thread budget's variants (docs/performance.md, "Threads"): where the moments run, the worker's
+# intra-op threads, batches made ahead, and the one-thread reference (CPU time without contention).
+THREAD_VARIANTS = (
+    "bare", "default", "no-moments",
+    "default@ISO_MOMENTS_WORKER=inline", "default@ISO_WORKER_THREADS=2", "default@ISO_PREFETCH=0",
+    "default@ISO_MOMENTS_WORKER=inline,ISO_PREFETCH=0", "default@ISO_PARAMS_CACHE=off",
+    "bare@OMP_NUM_THREADS=1", "default@OMP_NUM_THREADS=1",
+)
+
+
+def parse_variant(v: str) -> tuple[str, dict[str, str]]:
+    """'default', 'bare', an extract flag ('no-moments', '--sequences'), each optionally followed by
+    '@NAME=VALUE,NAME=VALUE' — environment variables set for that process alone."""
+    base, _, env = v.partition("@")
+    if base not in ("default", "bare") and not base.startswith("--"):
+        base = "--" + base
+    return base, dict(kv.split("=", 1) for kv in env.split(",") if kv)
+
+
+def reference(v: str, variants: list[str]) -> str | None:
+    """The bare forward a variant is compared with: the one under the same OMP_NUM_THREADS."""
+    _, env = parse_variant(v)
+    omp = env.get("OMP_NUM_THREADS")
+    want = "bare" + (f"@OMP_NUM_THREADS={omp}" if omp else "")
+    return want if want in variants else ("bare" if "bare" in variants else None)
+
+
+def run(variant: str, model: Path, source: Path, flags: list[str], wh: Path, cache: Path) -> dict:
+    """One whole process: wall seconds, CPU seconds (all threads), peak RSS (GB), tokens, forward-loop seconds."""
+    base, env = parse_variant(variant)
+    env = {"ISO_PARAMS_CACHE": str(cache), **env}  # this benchmark's own cache (a run's first process fills it)
+    if base == "bare":
         script, args = ROOT / "bench" / "bare_forward.py", [str(model), str(source), *flags]
     else:
         script = ROOT / "cli.py"
         args = ["extract", "--model", str(model), "--source", f"bench={source}", "--warehouse", str(wh), *flags,
-                *([variant] if variant != "default" else [])]
-    seconds, gb, p = run_script(script, *args)
+                *([base] if base != "default" else [])]
+    seconds, gb, p = run_script(script, *args, env=env)
     if p.returncode:
         sys.exit(f"{variant} failed:\n{p.stderr[-3000:]}")
     text = p.stdout + p.stderr
-    if variant == "bare":
+    if base == "bare":
         m = re.search(r"bare: (\d+) tokens, (\d+) windows, (\d+) batches, ([0-9.]+) s", text)
         tokens, loop = int(m.group(1)), float(m.group(4))
     else:
         m = re.search(r": (\d+) tokens, \d+ documents, .* non-finite, ([0-9.]+) s \(", text)
         tokens, loop = int(m.group(1)), float(m.group(2))
-    return {"s": seconds, "gb": gb, "tokens": tokens, "loop": loop}
+    return {"s": seconds, "cpu": p.cpu_seconds, "gb": gb, "tokens": tokens, "loop": loop}
+
+
+def load_line() -> str:
+    try:
+        return "load average " + " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "load average unknown"
 
 
 def main() -> None:
@@ -109,20 +152,27 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="runs of each variant (alternating)")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS),
-                    help="default, bare, or an extract flag without its dashes (no-moments, sequences, …)")
+                    help="default, bare, or an extract flag without its dashes (no-moments, sequences, …), each "
+                         "optionally with @NAME=VALUE[,NAME=VALUE] environment variables (e.g. "
+                         "default@ISO_MOMENTS_WORKER=inline, bare@OMP_NUM_THREADS=1)")
+    ap.add_argument("--threads", action="store_true",
+                    help="the thread budget's variants (THREAD_VARIANTS) in place of --variants")
     ap.add_argument("--extra", action="append", default=[], help="more extract flags (all shapes, bare included)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--vocab", type=int, default=50304)
     args = ap.parse_args()
-    args.variants = [v if v in ("default", "bare") or v.startswith("--") else "--" + v for v in args.variants]
+    if args.threads:
+        args.variants = list(THREAD_VARIANTS)
+    args.variants = [v if "@" in v or v in ("default", "bare") or v.startswith("--") else "--" + v
+                     for v in args.variants]
     # any other variant is an extract flag (e.g. sequences, prompt-entropy), run in place of the default
     args.arch, args.intermediate, args.kv_heads, args.seq = "gpt_neox", None, None, 512
     import os
 
     print(f"{time.strftime('%Y-%m-%d %H:%M')}: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
-          f"~{args.tokens} tokens per shape, {args.runs} run(s), {os.cpu_count()} cores; extra flags {args.extra}",
-          flush=True)
+          f"~{args.tokens} tokens per shape, {args.runs} run(s), {os.cpu_count()} cores, {load_line()}; "
+          f"extra flags {args.extra}", flush=True)
     with tempfile.TemporaryDirectory(prefix="isobench-matrix-") as tmp:
         tmp = Path(tmp)
         model = build_model(tmp / "model", args, punctuation=True)
@@ -134,45 +184,42 @@ def main() -> None:
             for shape in args.shapes:
                 corpus, flags = SHAPES[shape]
                 flags = flags + args.extra
-                for v in (args.variants if i % 2 == 0 else args.variants[::-1]):
-                    r = run(v, model, corpora[corpus], flags, tmp / f"wh-{shape}-{v}-{i}")
+                for k, v in enumerate(args.variants if i % 2 == 0 else args.variants[::-1]):
+                    r = run(v, model, corpora[corpus], flags, tmp / f"wh-{shape}-{k}-{i}", tmp / "params-cache")
                     res[shape][v].append(r)
-                    print(f"  {shape:9s} {v:13s} {r['s']:6.1f} s (loop {r['loop']:5.1f} s), {r['tokens']} tokens, "
-                          f"{r['gb']:.2f} GB", flush=True)
+                    print(f"  {shape:9s} {v:48s} {r['s']:6.1f} s (loop {r['loop']:5.1f} s, CPU {r['cpu']:6.1f} s), "
+                          f"{r['tokens']} tokens, {r['gb']:.2f} GB, {load_line()}", flush=True)
         med = lambda shape, v, k: statistics.median(r[k] for r in res[shape][v])  # noqa: E731
-        print(f"\n{'shape':9s} {'tokens':>7s} " + " ".join(f"{v + ' s':>15s}" for v in args.variants) +
-              "  def/no-mom  no-mom/bare  def/bare  def tok/s  bare tok/s  def GB  bare GB")
+        print(f"\n{'shape':9s} {'variant':48s} {'wall s':>7s} {'loop s':>7s} {'CPU s':>7s}  {'÷bare whole':>11s} "
+              f"{'÷bare loop':>10s} {'÷bare CPU':>9s}  {'tok/s':>7s} {'GB':>5s}")
         tps = {}
         for shape in args.shapes:
-            t = {v: med(shape, v, "s") for v in args.variants}
             tokens = res[shape][args.variants[0]][0]["tokens"]
-            ratio = lambda a, b: f"{t[a] / t[b]:10.3f}" if a in t and b in t else f"{'-':>10s}"  # noqa: E731
-            tps[shape] = {v: tokens / t[v] for v in t}
-            gb = lambda v: f"{med(shape, v, 'gb'):7.2f}" if v in t else f"{'-':>7s}"  # noqa: E731
-            tp = lambda v: f"{tps[shape][v]:10.0f}" if v in t else f"{'-':>10s}"  # noqa: E731
-            print(f"{shape:9s} {tokens:7d} " + " ".join(f"{t[v]:15.1f}" for v in args.variants) +
-                  f"  {ratio('default', '--no-moments')}  {ratio('--no-moments', 'bare'):>11s}  {ratio('default', 'bare'):>8s}"
-                  f"  {tp('default'):>9s}  {tp('bare'):>10s}  {gb('default')}  {gb('bare')}")
+            tps[shape] = {v: tokens / med(shape, v, "s") for v in args.variants}
+            for v in args.variants:
+                ref = reference(v, args.variants)
+                ratio = lambda k: (f"{med(shape, v, k) / med(shape, ref, k):.3f}" if ref else "-")  # noqa: E731
+                print(f"{shape:9s} {v:48s} {med(shape, v, 's'):7.1f} {med(shape, v, 'loop'):7.1f} "
+                      f"{med(shape, v, 'cpu'):7.1f}  {ratio('s'):>11s} {ratio('loop'):>10s} {ratio('cpu'):>9s}  "
+                      f"{tps[shape][v]:7.0f} {med(shape, v, 'gb'):5.2f}")
         for shape in args.shapes:  # the forward loops alone: per-token cost, the per-checkpoint fixed costs left out
-            lp = {v: med(shape, v, "loop") for v in args.variants}
-            print(f"{shape}: forward loop " + ", ".join(
-                f"{a} ÷ {b} {lp[a] / lp[b]:.3f}" for a, b in (("default", "--no-moments"), ("default", "bare"),
-                                                               ("--no-moments", "bare")) if a in lp and b in lp))
+            if "default" in args.variants and "--no-moments" in args.variants and "bare" in args.variants:
+                lp = {v: med(shape, v, "loop") for v in ("default", "--no-moments", "bare")}
+                print(f"{shape}: forward loop " + ", ".join(
+                    f"{a} ÷ {b} {lp[a] / lp[b]:.3f}" for a, b in (("default", "--no-moments"), ("default", "bare"),
+                                                                   ("--no-moments", "bare"))))
         if "long" in tps and "sentence" in tps:
             for v in args.variants:
                 print(f"sentence ÷ long, tokens/s ({v}): {tps['sentence'][v] / tps['long'][v]:.3f}")
-        runs = {s: {v: [round(r["s"] / res[s]["bare"][i]["s"], 3) for i, r in enumerate(res[s][v])]
-                    for v in args.variants if v != "bare"} for s in args.shapes if "bare" in args.variants}
-        if runs:
-            print(f"run by run, ÷ bare: {runs}")
-        base = "default" if "default" in args.variants else args.variants[0]
-        for shape in args.shapes:
+        for shape in args.shapes:  # run by run, each against the bare run of the same round (alternating order)
             for v in args.variants:
-                if v in (base, "bare"):
+                ref = reference(v, args.variants)
+                if ref is None or v == ref:
                     continue
-                t = {u: med(shape, u, "s") for u in args.variants}
-                print(f"{shape}: {v} ÷ {base} {t[v] / t[base]:.3f} (run by run "
-                      f"{[round(a['s'] / b['s'], 3) for a, b in zip(res[shape][v], res[shape][base])]})")
+                print(f"{shape}: {v} ÷ {ref} run by run: whole "
+                      f"{[round(a['s'] / b['s'], 3) for a, b in zip(res[shape][v], res[shape][ref])]}, loop "
+                      f"{[round(a['loop'] / b['loop'], 3) for a, b in zip(res[shape][v], res[shape][ref])]}")
+        print(load_line())
 
 
 if __name__ == "__main__":

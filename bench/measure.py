@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -15,10 +17,17 @@ _WRAPPER = ("import runpy, sys; sys.argv = sys.argv[1:]; "
             "file=sys.stderr)\")")
 
 
-def run_script(script: Path, *args: str, cwd: Path | None = None) -> tuple[float, float, subprocess.CompletedProcess]:
-    """(seconds, peak RSS in GB, the completed process) of `python script args…`."""
+def run_script(script: Path, *args: str, cwd: Path | None = None, env: dict | None = None
+               ) -> tuple[float, float, subprocess.CompletedProcess]:
+    """(seconds, peak RSS in GB, the completed process) of `python script args…`; the process also
+    carries `cpu_seconds`, the child's user + system CPU time (all its threads).  `env`: variables
+    set for the child on top of this process's environment."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-c", _WRAPPER, str(script), *args], capture_output=True, text=True, cwd=cwd)
+    r = subprocess.run([sys.executable, "-c", _WRAPPER, str(script), *args], capture_output=True, text=True, cwd=cwd,
+                       env=None if env is None else {**os.environ, **env})
     seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    r.cpu_seconds = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     rss = [int(line.split()[1]) for line in r.stderr.splitlines() if line.startswith("RSS ")]
     return seconds, (rss[0] * 1024 / 1e9 if rss else float("nan")), r

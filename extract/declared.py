@@ -142,6 +142,17 @@ OPTIONS: tuple[Option, ...] = (
                  "--sequences; cost in docs/measures.md)."),
     _option("sample", "int", 0, "measures", result=True,
             help="Also keep a mergeable bottom-k sample of K token vectors per layer (intrinsic dimension)."),
+    _option("attention", "flag", None, "measures", result=True,
+            help="Also per-head query/key sums of every block's self-attention after the rotary embedding (n, Σq, "
+                 "Σk, Σq̂, Σk̂, Σ‖q‖², Σ‖k‖², Σ⟨q̂,k̂⟩; qk_geometry), captured through transformers' attention "
+                 "interface (opt-in; a model whose attention does not use it gets none, said in one line; cost: "
+                 "docs/measures.md)."),
+    _option("attention_moments", "flag", False, "measures", result=True,
+            help="Also each head's uncentred second moments Σqqᵀ, Σkkᵀ (head_dim² each; qk_direction: Q-Filters' "
+                 "direction and sign). Implies --attention."),
+    _option("attention_sinks", "flag", False, "measures", result=True,
+            help="Also the attention on each window's first token per head (attention_sink, sink rate; a second "
+                 "score pass over every query and key: opt-in, cost in docs/measures.md). Implies --attention."),
     _option("special_tokens", "flag", False, "measures", flags=("--count-special-tokens",),
             off="--no-count-special-tokens", result=True,
             help="Also count the positions of the special tokens the tokenizer adds (BOS, [CLS], [SEP]: attention "
@@ -239,7 +250,8 @@ def default(name: str):
 # Result settings whose values may differ between the partials of one source: which documents and
 # tokens a partial counts (`shard`, `max_tokens`) and which tables it writes (a fold keeps a table only
 # where every partial of the group has it).  Every other result setting is an identity setting.
-MIXABLE_SETTINGS = ("shard", "max_tokens", "moments", "cross_moments", "sequences", "prompt_entropy", "sample")
+MIXABLE_SETTINGS = ("shard", "max_tokens", "moments", "cross_moments", "sequences", "prompt_entropy", "sample",
+                    "attention", "attention_moments", "attention_sinks")
 
 # Settings that make a partial what it is: a data entry records each one's value under `identity`
 # (extract/run/provenance.py), and the warehouse never folds partials of one source whose recorded

@@ -37,6 +37,7 @@ from .run.settings import Settings, SourceResult, check_moments_precision
 from .run.stream import base_forward, code_paths, forward_batch, memory_budget, new_accumulator
 from .run.windows import batch_limits, batches, windows
 from .sources import BUILTIN, ReadStats, indexed_documents, parse_source
+from .staging import stage
 
 
 def _sync(device: str) -> None:
@@ -57,7 +58,7 @@ def make_batches(loaded, settings: Settings, source: str, n: int) -> list[tuple]
     out = []
     for batch in batches(loaded, windows(loaded, texts, settings, SourceResult(src.name), None, True),
                          *batch_limits(loaded, settings), settings.special_tokens, True):
-        out.append(batch)
+        out.append(stage(batch, settings.device))  # pinned on CUDA, as extract's batches are
         if len(out) >= n:
             break
     if not out or sum(int(b[2].sum()) for b in out) == 0:

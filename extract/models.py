@@ -204,6 +204,24 @@ def weights_id(where: str, revision_hash: str | None, local: bool) -> str | None
     return f"{Path(where).resolve()} {h.hexdigest()}"
 
 
+def check_local(ref: ModelRef, checkpoint: str, trust_remote_code: bool = False) -> None:
+    """A local checkpoint directory's one-line refusals, before any of its files is read: no weights,
+    or custom code (`auto_map`) without `trust_remote_code`."""
+    if not ref.local:
+        return
+    where, _ = _where(ref, checkpoint)
+    if not any(Path(where).glob("*.safetensors")) and not any(Path(where).glob("*.bin")):
+        raise UserError(f"{where}: model directory has no weights (*.safetensors or *.bin)")
+    config_file = Path(where) / "config.json"
+    if not trust_remote_code and config_file.exists():
+        try:
+            auto_map = json.loads(config_file.read_text()).get("auto_map")
+        except (ValueError, AttributeError):
+            raise UserError(f"{config_file}: not a valid JSON config") from None
+        if auto_map:
+            raise UserError(f"{where}: the model uses custom code (auto_map); pass --trust-remote-code to run it")
+
+
 def model_identity(ref: ModelRef, checkpoint: str, revision_hash: str | None = None) -> str | None:
     """What the warehouse compares to tell two weights under one name apart (per checkpoint), and
     what tells twin checkpoints apart: the tensor fingerprint (extract/fingerprint.py) of a local
@@ -232,16 +250,7 @@ def load(ref: ModelRef, checkpoint: str, dtype: torch.dtype, device: str,
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     where, revision = _where(ref, checkpoint)
-    if ref.local and not any(Path(where).glob("*.safetensors")) and not any(Path(where).glob("*.bin")):
-        raise UserError(f"{where}: model directory has no weights (*.safetensors or *.bin)")
-    config_file = Path(where) / "config.json"
-    if ref.local and not trust_remote_code and config_file.exists():
-        try:
-            auto_map = json.loads(config_file.read_text()).get("auto_map")
-        except (ValueError, AttributeError):
-            raise UserError(f"{config_file}: not a valid JSON config") from None
-        if auto_map:
-            raise UserError(f"{where}: the model uses custom code (auto_map); pass --trust-remote-code to run it")
+    check_local(ref, checkpoint, trust_remote_code)
     common = {"revision": revision, "trust_remote_code": trust_remote_code}
     try:
         config = AutoConfig.from_pretrained(where, **common)

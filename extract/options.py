@@ -82,6 +82,9 @@ def make_settings(o: dict, launch: Launch, cuda_available: bool):
         raise UserError("--sample must be 0 (none) or a positive count")
     if o["prompt_entropy"] and o["sequences"] is False:
         raise UserError("--prompt-entropy is a per-window measure: it cannot go with --no-sequences")
+    if (o["attention_moments"] or o["attention_sinks"]) and o["attention"] is False:
+        which = "--attention-moments" if o["attention_moments"] else "--attention-sinks"
+        raise UserError(f"{which} are per-head attention sums: they cannot go with --no-attention")
     if o["cross_moments"] and not o["moments"]:
         raise UserError("--cross-moments are moments between layers: they cannot go with --no-moments")
     precision = check_moments_precision(o["moments_precision"], o["accumulator_device"] or device, dtype)
@@ -98,6 +101,8 @@ def make_settings(o: dict, launch: Launch, cuda_available: bool):
                     skip_done=o["skip_done"], skip_twins=bool(o.get("skip_twins")), moments=o["moments"], cross_moments=o["cross_moments"],
                     moments_precision=precision, sequences=bool(o["sequences"] or o["prompt_entropy"]),
                     prompt_entropy=o["prompt_entropy"], sample=o["sample"], special_tokens=o["special_tokens"],
+                    attention=bool(o["attention"] or o["attention_moments"] or o["attention_sinks"]),
+                    attention_moments=o["attention_moments"], attention_sinks=o["attention_sinks"],
                     memory_budget=budget, spill_dir=str(o["spill_dir"]) if o["spill_dir"] else None,
                     modules=parse_module_overrides(o["module"]), split_limit=o["split_limit"],
                     replace=bool(o.get("replace")), fold=bool(o.get("fold", True)))

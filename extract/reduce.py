@@ -15,6 +15,7 @@ What is reduced (every rank calls `Reducer.reduce` for every source, in the same
 * the massive activations: every rank's top-k candidates gathered, the top k kept in the same total
   order one process uses (`sequences.top_order`);
 * the bottom-k sample: every rank's k keys gathered, the k smallest kept with their vectors;
+* the per-head attention sums (extract/accumulate/attention.py): sums (the longest window: the maximum);
 * the run statistics (tokens, documents, windows, …): sums (seconds, peak bytes: the maximum).
 
 The order of float64 additions differs from one process (a sum of per-rank sums): the views agree
@@ -174,6 +175,8 @@ class Reducer:
                 self._reduce_window_measures(acc.extra, tmp)
             if acc.sample is not None:
                 self._reduce_sample(acc.sample, acc.L)
+            if getattr(acc, "attention", None) is not None:
+                self._reduce_attention(acc.attention)
         except BaseException:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -258,6 +261,22 @@ class Reducer:
             tv[layer], td[layer], tm[layer] = val[layer][order], dim[layer][order], meta[layer][order]
         ex.top_val, ex.top_dim, ex.top_meta = tv, td, tm
 
+    def _reduce_attention(self, att) -> None:
+        """Rank 0's per-head attention sums become the job's: every tensor summed, the sink counts
+        summed, the longest window the largest."""
+        for st in att.layers:
+            for name in st.TENSORS:
+                t = getattr(st, name)
+                if t is not None:
+                    summed = self._sum(t)
+                    if self.writes:
+                        setattr(st, name, summed)
+            counts = self.gather_objects((st.sink_n, st.windows, st.max_window))
+            if self.writes:
+                st.sink_n = sum(c[0] for c in counts)
+                st.windows = sum(c[1] for c in counts)
+                st.max_window = max(c[2] for c in counts)
+
     def _reduce_sample(self, smp, L: int) -> None:
         """Rank 0's bottom-k sample becomes the bottom k of every rank's."""
         got = self.gather_objects((smp.keys, smp.meta))
@@ -339,6 +358,7 @@ class Reduced:
             setattr(self, k, v)
         self.moments = moments
         self.extra, self.sample = acc.extra, acc.sample
+        self.attention = getattr(acc, "attention", None)
         self.spills = []
 
     def layer_rows(self, layer: int, chunk_rows: int | None = None

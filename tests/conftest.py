@@ -49,6 +49,12 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Plain progress lines (stderr is no terminal under pytest) only when a test asks: a test that counts
 # stderr's lines (one `error:` line) must not see a 10 % line of a slow machine (tests/test_progress.py).
 os.environ.setdefault("ISO_PROGRESS_INTERVAL", "3600")
+os.environ.setdefault("ISO_PARAMS_CACHE", "off")
+if "TRITON_INTERPRET" not in os.environ:  # the Triton kernels (extract/accumulate/fused.py) in Triton's
+    import torch  # interpreter where there is no GPU to compile them for (read when Triton is imported)
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # no cache of parameter tables in ~/.cache (its own test sets one)
 # Under pytest-xdist the workers already fill the cores: each worker (and every process it starts)
 # gets cores ÷ workers intra-op threads, instead of each worker's OpenMP pool spinning on every core
 # (on 2 cores with -n 2: the suite 11 m → 9 m).  Set OMP_NUM_THREADS to choose otherwise.
@@ -237,3 +243,25 @@ def single(workdir, sources, model_factory):
     code, _, err = run_cli("extract", *args, "--warehouse", wh)
     assert code == 0, err
     return {"args": args, "wh": wh, "views": views(wh)}
+
+
+# ---------------------------------------------------------------- S3: one moto server a session
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """moto's S3 server on loopback with IAM auth (tests/s3_faults.py): env, client, endpoint, port."""
+    from s3_faults import moto_server
+
+    with moto_server(tmp_path_factory.mktemp("moto")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def s3_proxy(s3):
+    """A fault-injecting proxy in front of the session's moto server (relays everything until a test
+    gives it rules: `with s3_proxy.faults(Rule(...)):`)."""
+    from s3_faults import FaultProxy
+
+    proxy = FaultProxy(s3["port"])
+    yield proxy
+    proxy.close()

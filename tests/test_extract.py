@@ -645,9 +645,9 @@ def test_onednn_products_equal_the_torch_path_and_float64():
 
 def test_bfloat16_moments_are_exact_products_against_float64():
     """precision "bfloat16" (the GPU default with a bf16 model): the raw bf16 rows' products, exact
-    in float32, accumulated in float32 over ≤ CHUNK_BF16 rows, Gram and cross moment as one
-    [h_prev | h]ᵀ h product — against float64 products on the same rows: batches of changing size
-    (the pair buffer grows), several chunks and a partial last one, zeroed rows, a large mean
+    in float32, accumulated in float32 over ≤ CHUNK_BF16 rows, the Gram matrix's upper triangle by
+    panels and the cross moment as one h_prevᵀh product — against float64 products on the same rows:
+    batches of changing size, several chunks and a partial last one, zeroed rows, a large mean
     (no centre: the products must stay exact), the background thread bit for bit; float32 rows
     are refused with a one-line error."""
     a = torch.tensor([[3.0, -2.5, 0.5], [1.25, 7.0, -0.75]]).bfloat16()  # exact in float32 and float64
@@ -776,6 +776,41 @@ def test_background_queue_is_bounded_in_bytes():
     w.submit(lambda: None, nbytes=10 * rows)  # larger than the cap: runs alone, never deadlocks
     w.wait()
     bg.close()
+
+
+def test_parameter_tables_come_from_the_cache_for_the_same_checkpoint_in_another_warehouse(
+        workdir, sources, model_factory, monkeypatch, tmp_path):
+    """The partition-function table is cached per checkpoint (ISO_PARAMS_CACHE): an extract of the
+    same weights into another warehouse reads it instead of computing it, with the same numbers; a
+    damaged cache file is ignored, removed and written again; `off` computes every time."""
+    from extract.run import tables as run_tables
+
+    calls = []
+    real = run_tables.partition_table
+    monkeypatch.setattr(run_tables, "partition_table", lambda loaded: calls.append(1) or real(loaded))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ISO_PARAMS_CACHE", str(cache))
+    model = model_factory("gpt_neox", tied=False)
+
+    def extract(wh):
+        code, _, err = run_cli("extract", "--model", model, "--warehouse", wh, "--max-tokens", 30,
+                               "--source", f"alpha={sources['alpha']}")
+        assert code == 0, err
+        con = connect(wh)
+        rows = sorted(con.execute("SELECT matrix, tied, rows, centered, eig_index, eigenvalue, log_z_pos, log_z_neg, "
+                                         "z_eigh_sign FROM partition_fn").fetchall())
+        con.close()
+        return rows
+
+    first = extract(tmp_path / "a")
+    assert len(calls) == 1 and len(list(cache.glob("*.arrow"))) == 1
+    assert extract(tmp_path / "b") == first and len(calls) == 1  # read from the cache
+    f = next(cache.glob("*.arrow"))
+    f.write_bytes(f.read_bytes()[:-8] + b"damaged!")
+    assert extract(tmp_path / "c") == first and len(calls) == 2  # computed again, the file replaced
+    assert len(list(cache.glob("*.arrow"))) == 1 and next(cache.glob("*.arrow")).read_bytes() != b""
+    monkeypatch.setenv("ISO_PARAMS_CACHE", "off")
+    assert extract(tmp_path / "d") == first and len(calls) == 3
 
 
 def test_parameter_tables_are_kept_for_the_same_weights(workdir, sources, model_factory):

@@ -6,6 +6,7 @@ without padding) and `doctor`."""
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from extract.accumulate import kernels, matmul
+from extract.accumulate import fused, kernels, matmul
 from extract.accumulate import moments as moments_module
 from extract.accumulate.moments import Moments
 from extract.accumulate.sums import TokenSums
@@ -54,23 +55,36 @@ def _batch(B: int, T: int, V: int, d: int, gen: torch.Generator):
     return ids, counted, hidden
 
 
+# the Triton kernels' tests: compiled for the GPU where there is one, else in Triton's interpreter on the CPU
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _feed(accs, shapes, V, d, L, gen):
     for B, T in shapes:
         ids, counted, hidden = _batch(B, T, V, d, gen)
         for acc in accs:
             acc.set_batch(ids, counted)
             for layer in range(L):
-                acc.add(layer, (hidden * (layer + 1)).roll(layer, -1))  # another direction per layer
+                acc.add(layer, (hidden * (layer + 1)).roll(layer, -1).to(acc.device))  # another direction per layer
 
 
-def _assert_same(eager: TokenSums, other: TokenSums, L: int) -> None:
+def _assert_same(eager: TokenSums, other: TokenSums, L: int, names=None) -> None:
+    """The token tables and every per-layer sum (`names`: only those) of two accumulators agree."""
     for layer in range(L):
-        (ce, se), (cf, sf) = eager.dense(layer), other.dense(layer)
+        (ce, se), (cf, sf) = (t.cpu() for t in eager.dense(layer)), (t.cpu() for t in other.dense(layer))
         assert torch.equal(ce, cf) and torch.allclose(se, sf, rtol=1e-13, atol=1e-13)
-    for name in ("nonfinite", "zero", "windows", "unit_windows", "change_n"):
-        assert torch.equal(getattr(eager, name), getattr(other, name)), name
-    for name in ("sum_h", "sum_u2", "window_cos", "sum_ubar", "sum_ubar_sq", "change_cos", "change_angle"):
-        assert torch.allclose(getattr(eager, name), getattr(other, name), rtol=1e-12, atol=1e-12), name
+    if names is None:
+        assert eager.layer_sums() == other.layer_sums()
+    names = eager.layer_sums() if names is None else names
+    assert {"nonfinite", "zero", "windows", "sum_h", "sum_u2", "window_cos", "unit_windows", "change_n", "sum_ubar",
+            "sum_ubar_sq", "change_cos", "change_angle"} <= set(eager.layer_sums())
+    for name in names:  # every per-layer sum, whichever path added it
+        a, b = getattr(eager, name).cpu(), getattr(other, name).cpu()
+        assert a.dtype == b.dtype, name
+        if a.is_floating_point():
+            assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), name
+        else:
+            assert torch.equal(a, b), name
 
 
 def test_compiled_step_never_recompiles_for_b1_t1_or_t_equal_d():
@@ -309,7 +323,7 @@ def test_bf16_moments_error_is_bounded_whatever_the_mean():
     batches = [([h.masked_fill(~ok[:, None], 0) for h in hs], ok) for hs, ok in batches]
     ms = {name: Moments(L, d, "cpu", precision="bfloat16", background=bg) for name, bg in
           (("inline", False), ("thread", True), ("raw", False))}
-    ms["raw"].SPLIT_RATIO = float("inf")
+    ms["raw"].SPLIT_RATIO = ms["raw"].SPLIT_DIM_RATIO = float("inf")
     for m in ms.values():
         m.CHUNK_BF16 = 1024
     exact = Moments(L, d, "cpu", precision="float64", background=False)
@@ -319,7 +333,7 @@ def test_bf16_moments_error_is_bounded_whatever_the_mean():
                 m.add(layer, h, ok)
     inline, thread, raw = ms["inline"], ms["thread"], ms["raw"]
     assert inline._split == [False, True, False] and raw._split == [False, False, False]
-    assert inline.paths["moments_rows"] == "centred hi+lo in layers [1] (|mu|^2/tr C > 1), raw elsewhere"
+    assert inline.paths["moments_rows"] == "centred hi+lo in layers [1] (|mu|^2/tr C > 1 or max mu_i^2/max C_ii > 8), raw elsewhere"
     assert raw.paths["moments_rows"] == "raw" and 500 < inline._ratio[1] < 2000
 
     def cov_error(m, layer):
@@ -361,7 +375,7 @@ def test_bf16_raw_rows_lose_a_dominant_means_covariance_on_every_cpu():
     batches = [([h[0]], ok) for h, ok in synthetic(1e5, d, 3000, L=L, batch=1500, seed=6)]
     batches = [([h.masked_fill(~ok[:, None], 0) for h in hs], ok) for hs, ok in batches]
     split, raw = (Moments(L, d, "cpu", precision="bfloat16", background=False) for _ in range(2))
-    raw.SPLIT_RATIO = float("inf")
+    raw.SPLIT_RATIO = raw.SPLIT_DIM_RATIO = float("inf")
     exact = Moments(L, d, "cpu", precision="float64", background=False)
     for m in (split, raw):
         m.CHUNK_BF16 = 1024
@@ -519,3 +533,125 @@ def test_compiled_step_gives_the_window_measures_their_terms_without_recompiles(
     for acc in accs.values():
         assert_windows_equal_definition(acc.extra, want, L)
     _assert_same(accs[(False, False)], accs[(True, False)], L)
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "llama", "gemma2", "bert"])
+def test_a_padded_batch_reads_nothing_of_its_device_mask_and_gives_the_same_states(family, model_factory,
+                                                                                   monkeypatch):
+    """A batch with padding: transformers' checks whether its mask may be dropped (`fast_all`, `.all()`:
+    on a GPU a host sync) are answered from the host (extract/masks.py) — no tensor is read into a
+    Python bool during the forward — and every layer's hidden states equal those of the plain 2-D
+    mask path bit for bit (causal, sliding-window and bidirectional models)."""
+    from transformers import masking_utils
+
+    from extract.architectures import get_module
+    from extract.hooks import capture_layers
+    from extract.models import forward_kwargs, load, resolve_model
+    from extract.run import settings as run_settings, stream as run
+
+    loaded = load(resolve_model(str(model_factory(family))), "main", torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, loaded.model.config.vocab_size, (3, 12), generator=g)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    mask[2, 3:] = 0
+
+    def states(forward):
+        out = {}
+        with torch.inference_mode(), capture_layers(loaded.model, loaded.layout,
+                                                    lambda layer, h: out.__setitem__(layer, h.clone())):
+            forward()
+        return out
+
+    base = get_module(loaded.model, loaded.layout.base)
+    plain = states(lambda: base(input_ids=ids, attention_mask=mask, **forward_kwargs(loaded.layout.head)))
+    reads = []
+    real_bool, real_fast_all = torch.Tensor.__bool__, masking_utils.fast_all
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append("bool") or real_bool(t))
+    monkeypatch.setattr(masking_utils, "fast_all", lambda t: reads.append("fast_all") or real_fast_all(t))
+    fwd = run.base_forward(loaded, run_settings.Settings())
+    ours = states(lambda: fwd(ids, mask))
+    monkeypatch.undo()
+    assert reads == []
+    assert plain.keys() == ours.keys() and len(plain) >= 3
+    for layer in plain:
+        assert torch.equal(plain[layer], ours[layer]), layer
+    assert masking_utils._ignore_causal_mask_sdpa is not None and masking_utils._ignore_causal_mask_sdpa.__name__ != "_never"
+
+
+@pytest.mark.skipif(not fused.available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="Triton is not installed, or neither a GPU nor its interpreter")
+@pytest.mark.parametrize("vocab, dot", [(7, True), (300, False)])
+def test_the_triton_kernels_equal_the_eager_path_and_the_float64_moments(vocab, dot, monkeypatch):
+    """fused.py's four kernels, run in Triton's interpreter on the CPU: the token sums and counts (runs
+    of one type inside a block of rows and across blocks: 7 types; mostly single rows: 300; each run's
+    total by tl.dot and by the broadcast sum), Σh, Σû², window cosines, NaN/inf and zero vectors equal
+    the eager path's; the rows, n and Σh they hand the moments give float64 moments equal to the
+    eager path's; B = 1, T = 1, several blocks of rows, windows and columns (d = 40) included."""
+    L, d = 2, 40
+    monkeypatch.setattr(fused, "BLOCK_D", 32)  # small blocks: several of each in tiny batches
+    monkeypatch.setattr(fused, "BLOCK_B", 4)
+    monkeypatch.setattr(fused, "SLOTS_DOT", [dot])
+    gen = torch.Generator().manual_seed(3)
+    eager = TokenSums(L, vocab, d, "cpu")
+    tri = TokenSums(L, vocab, d, TRITON_DEVICE, triton=True)
+    for name in set(tri.layer_sums()) - fused.FILLS:  # the sums the kernels do not add (their fallback's test
+        delattr(tri, name)                             # below): an accumulator of the kernels' sums alone
+    assert tri.paths == {"layer_step": "triton", "scatter": "segmented"} and eager._triton is False
+    for acc in (eager, tri):
+        acc.moments = Moments(L, d, acc.device, precision="float64", background=False)
+    _feed([eager, tri], [(3, 11), (1, 1), (2, 40), (5, 3)], vocab, d, L, gen)
+    assert tri._triton_once and tri.paths["layer_step"] == "triton"
+    _assert_same(eager, tri, L, names=sorted(fused.FILLS))
+    assert int(tri.nonfinite.sum()) > 0 and int(tri.zero.sum()) > 0 and int(tri.windows.sum()) > 0
+    assert torch.equal(eager.moments.n, tri.moments.n.cpu())
+    assert torch.allclose(eager.moments.s1, tri.moments.s1.cpu(), rtol=1e-13, atol=1e-12)
+    for layer in range(L):
+        assert np.allclose(eager.moments.s2(layer), tri.moments.s2(layer), rtol=1e-13, atol=1e-12)
+
+
+def test_a_massive_dimension_centres_a_layer_whose_trace_ratio_is_small():
+    """A trained-like layer: one dimension's mean (a massive activation) dominates the largest
+    variance (max μ_i²/max C_ii ≈ 80) while ‖μ‖²/tr C < 1: its bf16 rows are centred and split, and
+    the covariance is within 1e-6 of the largest entry; without the massive dimension, raw rows."""
+    d, rows = 512, 4096
+    g = torch.Generator().manual_seed(7)
+    sig = torch.logspace(0, -1, d, dtype=torch.float64)
+    for big, split in ((9.0, True), (0.0, False)):
+        mu = torch.randn(d, generator=g, dtype=torch.float64) * 0.3 * sig
+        mu[0] = big
+        h = (mu + torch.randn(rows, d, generator=g, dtype=torch.float64) * sig).bfloat16()
+        ok = torch.ones(rows, dtype=torch.bool)
+        m = Moments(1, d, "cpu", cross=False, precision="bfloat16", background=False)
+        exact = Moments(1, d, "cpu", cross=False, precision="float64", background=False)
+        m.add(0, h, ok)
+        exact.add(0, h, ok)
+        assert (m._split, m._ratio[0] < 1, m._dim_ratio[0] > 64) == ([split], True, split), (m._ratio, m._dim_ratio)
+        assert split or m._dim_ratio[0] < 1
+        n = float(exact.n[0])
+        mean = exact.s1[0].numpy() / n
+        C64 = exact.s2(0) / n - np.outer(mean, mean)
+        assert np.abs(m.s2(0) / n - np.outer(mean, mean) - C64).max() <= 1e-6 * np.abs(C64).max()
+
+
+@pytest.mark.skipif(not fused.available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="Triton is not installed, or neither a GPU nor its interpreter")
+def test_sums_the_triton_kernels_lack_take_the_other_path_recorded_without_a_warning():
+    """An accumulator holding per-layer sums that fused.py's kernels do not add (the layer change and
+    the windows' mean unit vectors) never runs them: at its first batch it takes the compiled step
+    (on a CPU the eager path), records which sums made it, warns nothing, and every sum — those
+    included — equals the eager path's.  An accumulator of the kernels' sums alone runs them."""
+    L, V, d = 2, 50, 8
+    lacking = sorted(set(TokenSums(L, V, d, "cpu").layer_sums()) - fused.FILLS)
+    assert {"change_n", "change_cos", "change_angle", "sum_ubar"} <= set(lacking)
+    eager, other = TokenSums(L, V, d, "cpu"), TokenSums(L, V, d, TRITON_DEVICE, triton=True)
+    assert other.paths["layer_step"] == "triton"
+    gen = torch.Generator().manual_seed(4)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*[Tt]riton.*")
+        _feed([eager, other], [(2, 5), (3, 4)], V, d, L, gen)
+    step = "compiled" if TRITON_DEVICE == "cuda" else "eager"
+    assert other.paths == {"layer_step": f"{step} (triton kernels lack {', '.join(lacking)})", "scatter": "atomic"}
+    assert other._plan is None and not other._triton_once
+    assert int(other.change_n.sum()) > 0
+    _assert_same(eager, other, L)

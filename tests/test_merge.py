@@ -245,7 +245,7 @@ def _snapshot(root: Path) -> dict:
     con = connect(root)
     views = ["inter_sim", "inter_sim_by_source", "intra_sim", "avg_intra_sim", "inter_sim_by_frequency",
              "inter_sim_types", "dim_contrib", "drift", "intra_sentence_sim", "anisotropy", "linearity",
-             "intrinsic_dim", "isoscore"]
+             "intrinsic_dim", "isoscore", "qk_sums", "qk_geometry_by_source", "qk_direction", "attention_sink"]
     out = {v: sorted(tuple(round(x, 12) if isinstance(x, float) else x for x in r)
                      for r in con.execute(f"SELECT * FROM {v}").fetchall()) for v in views}
     con.close()
@@ -284,10 +284,12 @@ def test_compaction_keeps_every_view_and_closes_the_checkpoint(tmp_path):
 
 @pytest.fixture(scope="session")
 def moments_wh(workdir, sources, model_factory):
-    """Three commits of a tiny model with --moments --cross-moments --sample (alpha in 2 shards, then beta)."""
+    """Three commits of a tiny model with --moments --cross-moments --sample and the attention sums (with
+    their second moments and sinks): alpha in 2 shards, then beta."""
     model = model_factory("gpt_neox", tied=False)
     wh = workdir / "merge-moments"
-    common = ["--model", model, "--warehouse", wh, "--max-length", 32, "--moments", "--cross-moments", "--sample", 40]
+    common = ["--model", model, "--warehouse", wh, "--max-length", 32, "--moments", "--cross-moments", "--sample", 40,
+              "--attention-moments", "--attention-sinks"]
     for args in (["--source", f"alpha={sources['alpha']}", "--shard", "1/2"],
                  ["--source", f"alpha={sources['alpha']}", "--shard", "2/2"],
                  ["--source", f"beta={sources['beta']}"]):

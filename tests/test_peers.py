@@ -515,7 +515,7 @@ def test_bfloat16_moments_against_float64_end_to_end(workdir, sources, model_fac
         cons[name] = connect(wh)
     q = "SELECT layer, n, s1, s2, s_cross FROM moments_merged WHERE source = 'all' ORDER BY layer"
     want = cons["float64"].execute(q).fetchall()
-    for name in ("bfloat16", "bfloat16-no-cross"):  # paired products [h_prev | h]ᵀh, or hᵀh alone
+    for name in ("bfloat16", "bfloat16-no-cross"):  # with the cross moments h_prevᵀh, or the Gram matrices alone
         got = cons[name].execute(q).fetchall()
         assert len(got) == len(want) > 2
         for (layer, n, s1, s2, sx), (_, n64, s1_64, s2_64, sx64) in zip(got, want):

@@ -63,6 +63,11 @@ CHART_VIEWS = {
     "fig35_curvature_training": ("curvature", ["model", "checkpoint", "source", "layer"], ["curvature"]),
     "fig36_prompt_entropy_by_layer": ("prompt_entropy", ["model", "checkpoint", "source", "layer"], ["prompt_entropy"]),
     "fig37_prompt_entropy_training": ("prompt_entropy", ["model", "checkpoint", "source", "layer"], ["prompt_entropy"]),
+    "fig44_qk_drift_by_layer": ("qk_geometry", ["model", "checkpoint", "layer", "head"], []),
+    "fig45_qk_drift_training": ("qk_geometry", ["model", "checkpoint", "layer", "head"], ["q_drift_share"]),
+    "fig46_attention_sink_by_layer": ("attention_sink", ["model", "checkpoint", "layer", "head"],
+                                      ["n", "sink_attention"]),
+    "fig47_sink_rate_training": ("attention_sink_rate", ["model", "checkpoint"], ["heads", "sink_rate"]),
     "fig41_block_influence_by_layer": ("layer_change", ["model", "checkpoint", "source", "layer"], []),
     "fig42_block_influence_training": ("layer_change", ["model", "checkpoint", "source", "layer"],
                                        ["n", "block_influence", "angular_distance"]),
@@ -83,7 +88,8 @@ def trained(workdir, sources):
         assert code == 0, err
         code, _, err = run_cli("extract", "--model", out, "--checkpoints", "all", "--source",
                                f"alpha={sources['alpha']}", "--source", f"beta={sources['beta']}", "--warehouse", wh,
-                               "--moments", "--cross-moments", "--sample", 200, "--prompt-entropy")  # implies --sequences
+                               "--moments", "--cross-moments", "--sample", 200, "--prompt-entropy",  # implies --sequences
+                               "--attention-sinks")
         assert code == 0, err
     return wh
 

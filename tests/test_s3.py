@@ -1,11 +1,10 @@
 """A warehouse on S3 (`--warehouse s3://bucket/prefix`) against a real S3 API: moto's server on
-127.0.0.1, started here, with authentication on (wrong keys are refused as by AWS)."""
+127.0.0.1 (the session's, tests/conftest.py), with authentication on (wrong keys are refused as by AWS)."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,50 +15,7 @@ import pytest
 
 from common.errors import UserError
 from conftest import ROOT, fork_popen, fork_run, run_cli, same_numbers, same_rows, views
-
-BUCKET = "iso-warehouse"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def s3(tmp_path_factory):
-    """moto's S3 server on loopback with IAM auth: the first 3 calls (made here) create a user and its
-    keys; every later request must be signed with them."""
-    import boto3
-
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "moto.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"})
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(200):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
-        iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1",
-                           aws_access_key_id="setup", aws_secret_access_key="setup")
-        iam.create_user(UserName="iso")
-        key = iam.create_access_key(UserName="iso")["AccessKey"]
-        iam.put_user_policy(UserName="iso", PolicyName="all", PolicyDocument=json.dumps(
-            {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
-        env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
-               "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"], "AWS_REGION": "us-east-1"}
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                              aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
-        client.create_bucket(Bucket=BUCKET)
-        yield {"env": env, "client": client, "endpoint": endpoint, "port": port}
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
+from s3_faults import BUCKET, free_port
 
 
 @pytest.fixture
@@ -251,7 +207,8 @@ def test_store_failing_at_the_commit_record_is_one_line_and_leaves_nothing(s3env
 
 
 BAD = [
-    ("unreachable endpoint", {"AWS_ENDPOINT_URL": "http://127.0.0.1:{closed}"}, f"s3://{BUCKET}/x", "cannot reach"),
+    ("unreachable endpoint", {"AWS_ENDPOINT_URL": "http://127.0.0.1:{closed}", "ISO_S3_MAX_ATTEMPTS": "2"},  # (5 by default)
+     f"s3://{BUCKET}/x", "cannot reach"),
     ("missing bucket", {}, "s3://no-such-bucket-here/x", "does not exist"),
     ("wrong credentials", {"AWS_SECRET_ACCESS_KEY": "wrong"}, f"s3://{BUCKET}/x", "access denied"),
     ("unknown key id", {"AWS_ACCESS_KEY_ID": "AKIANOSUCHKEY0000000"}, f"s3://{BUCKET}/x", "access denied"),
@@ -262,7 +219,7 @@ def test_bad_s3_input_is_one_line_and_writes_nothing(s3, single):
     """Each case through `sql` and `extract` in their own processes (all at once)."""
     runs = []
     for case, env, url, message in BAD:
-        env = {**s3["env"], **{k: v.format(closed=_free_port()) for k, v in env.items()}}
+        env = {**s3["env"], **{k: v.format(closed=free_port()) for k, v in env.items()}}
         for args in (["sql", "SELECT 1"], ["extract", *single["args"]]):
             runs.append((case, message, cli_proc([*args, "--warehouse", url], env)))
     for case, message, p in runs:

@@ -18,11 +18,12 @@ DTYPES = ("float16", "float32", "float64")
 
 
 def many_partials(wh, n: int) -> list[dict]:
-    """n tiny partials (2 sources × n/2 shards) of mixed vector dtypes, through the extract writer, one commit."""
+    """n tiny partials (3 sources × n/3 shards, one vector dtype per source: the dtype is part of a partial's
+    identity), through the extract writer, one commit."""
     from warehouse import merge
 
     merge.commit(wh, [write_vocab(wh, "m", "main", None, 64, 8)])
-    entries = [write_partial(wh, "m", "main", None, f"s{i % 2}", (i // 2 + 1, n // 2), 2, 64, 8, seed=i, types=0.5,
+    entries = [write_partial(wh, "m", "main", None, f"s{i % 3}", (i // 3 + 1, n // 3), 2, 64, 8, seed=i, types=0.5,
                              vector_dtype=DTYPES[i % 3]) for i in range(n)]
     merge.commit(wh, entries)
     return entries

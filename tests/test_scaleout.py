@@ -91,7 +91,8 @@ def reduce_one(workdir, reduce_sources, model_factory):
     model = model_factory("gpt_neox", tied=False)
     common = ["--model", str(model), "--max-length", "32", "--batch-size", "1", "--sample", "40",
               "--vector-dtype", "float64", "--moments-precision", "float64"]
-    runs = [[*common, "--source", f"alpha={reduce_sources['alpha']}", "--moments", "--cross-moments", "--sequences"],
+    runs = [[*common, "--source", f"alpha={reduce_sources['alpha']}", "--moments", "--cross-moments", "--sequences",
+             "--attention-moments", "--attention-sinks"],
             [*common, "--source", f"pile={reduce_sources['split3']}", "--split-by", "meta.pile_set_name"]]
     one = workdir / "reduce-one"
     for a in runs:
@@ -101,8 +102,10 @@ def reduce_one(workdir, reduce_sources, model_factory):
 
 
 def test_torchrun_reduce_equals_one_process_exactly(workdir, reduce_one, python_shim):
-    """Three ranks (two: test_torchrun_two_cpu_ranks_equal_one_process): every accumulator reduced — token sums (ranks see different token types), layer sums, moments
-    and cross moments, per-window measures and massive activations, the bottom-k sample — and a
+    """Three ranks (two: test_torchrun_two_cpu_ranks_equal_one_process): every accumulator reduced — token
+    sums (ranks see different token types), layer sums, moments and cross moments, per-window measures and
+    massive activations, the bottom-k sample, the per-head attention sums (with their second moments and
+    sinks) — and a
     split value only one rank met: every view equals one process to 1e-12 (n exact), one partial
     per (checkpoint, source)."""
     runs, one = reduce_one
@@ -118,7 +121,9 @@ def test_torchrun_reduce_equals_one_process_exactly(workdir, reduce_one, python_
 
     tables = {"token_sums": "layer, token_id, n, sum_sq", "layer_sums": "layer, n, sum_sq, windows, sum_abs, curv_sum",
               "moments": "layer, n", "samples": "layer, key, document, position, token_id",
-              "massive": "layer, rank, abs_value, dim, token_id, document, position"}
+              "massive": "layer, rank, abs_value, dim, token_id, document, position",
+              "attention_sums": "layer, role, head, n, excluded, sum_sq, pair_cos, list_sum(sum), list_sum(sum_unit), "
+                                "list_sum(s2), sink_n, sink_sum, sink_windows, sink_max_window"}
     a, b = connect(many), connect(one)
     for table, cols in tables.items():
         q = f"SELECT source, {cols} FROM {table} ORDER BY ALL"

@@ -18,7 +18,8 @@ from .storage import HashingStream, Storage, open_storage
 from .store import Checksum
 
 COPY_CHUNK = 8 << 20
-VIEW_ONLY_DROPS = {"data": ("token_sums", "moments", "samples", "sequence_moments"), "merged": schema.STATE_TABLES}
+VIEW_ONLY_DROPS = {"data": ("token_sums", "moments", "samples", "sequence_moments", "attention_sums"),
+                   "merged": schema.STATE_TABLES}
 
 
 def _copy(src: Storage, dest: Storage, rel: str, want: Checksum | None = None) -> int:

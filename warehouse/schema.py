@@ -149,6 +149,36 @@ SAMPLES = pa.schema(
     ]
 )
 
+# Per (model, checkpoint, source, shard, layer, role, head): the per-head sums of a block's
+# self-attention (extract --attention), float64, at the counted positions whose queries and keys are
+# finite and non-zero (n; `excluded` the others), after the rotary embedding.  role 'query': query head
+# `head`, reading key head `kv_head` (head // (H / H_kv)); role 'key': key head `head` (kv_head = head).
+# layer = the 0-based block.  sum = Σx, sum_unit = Σx/‖x‖ (head_dim,), sum_sq = Σ‖x‖²; pair_cos =
+# Σᵢ⟨q̂ᵢ, k̂ᵢ⟩ with the key head (query rows; NULL on key rows); s2 = Σxxᵀ (head_dim², row-major;
+# --attention-moments, else NULL); sink_* (query rows, --attention-sinks, else NULL): query positions
+# i ≥ 1 of every window, Σᵢ A[i, 0] (attention on the window's first position), windows, the longest
+# window.
+ATTENTION_SUMS = pa.schema(
+    _KEY_DATA
+    + [
+        pa.field("layer", pa.int16(), nullable=False),
+        pa.field("role", pa.string(), nullable=False),  # query | key
+        pa.field("head", pa.int32(), nullable=False),
+        pa.field("kv_head", pa.int32(), nullable=False),
+        pa.field("n", pa.int64(), nullable=False),
+        pa.field("excluded", pa.int64(), nullable=False),
+        pa.field("sum", pa.list_(pa.float64()), nullable=False),
+        pa.field("sum_unit", pa.list_(pa.float64()), nullable=False),
+        pa.field("sum_sq", pa.float64(), nullable=False),
+        pa.field("pair_cos", pa.float64()),
+        pa.field("s2", pa.list_(pa.float64())),
+        pa.field("sink_n", pa.int64()),
+        pa.field("sink_sum", pa.float64()),
+        pa.field("sink_windows", pa.int64()),
+        pa.field("sink_max_window", pa.int64()),
+    ]
+)
+
 # Per (model, checkpoint, matrix, centered, eigenvector): log Z(±c) for the eigenvectors c of WᵀW.
 # log_z_pos / log_z_neg: float64 log-sum-exp; z_eigh_sign: Z(c) with the sign torch.linalg.eigh
 # returned, computed in float32 as the authors' script does (may be +inf).
@@ -228,6 +258,9 @@ _AT_DOC = [f.name for f in _MASSIVE_VALUES].index("document")
 MASSIVE_MERGED = pa.schema(_KEY_MERGED + _MASSIVE_VALUES[:_AT_DOC]
                            + [pa.field("document_source", pa.string(), nullable=False)] + _MASSIVE_VALUES[_AT_DOC:])
 
+# attention_sums merged per group (sums; sink_max_window the largest; a column NULL where a partial lacks it).
+ATTENTION_TOTALS = pa.schema(_KEY_MERGED + [f for f in ATTENTION_SUMS if f.name not in {f.name for f in _KEY_DATA}])
+
 # Derived per group from the merged state: source = 'all' holds the merge of every source.
 _KEY_DERIVED = _KEY_MERGED + [pa.field("layer", pa.int16(), nullable=False)]
 SPECTRUM = pa.schema(_KEY_DERIVED + [
@@ -263,6 +296,19 @@ LAYER_METRICS = pa.schema(_KEY_DERIVED + [
     pa.field("intra_sim_sum", pa.float64()),  # Σ over them of (‖s_t‖² − n_t)/(n_t² − n_t)
 ])
 
+# Per (…, group, layer, head): the top eigenvector v of a query head's uncentred second moment Σqqᵀ/n
+# (Q-Filters' direction), oriented so that the query mean projects on it with q_mean_along ≥ 0;
+# k_mean_along: the mean of its key head along v (its sign: Q-Filters' ε); eigenvalue / trace: v's share.
+ATTENTION_DIRECTION = pa.schema(_KEY_DERIVED + [
+    pa.field("head", pa.int32(), nullable=False),
+    pa.field("kv_head", pa.int32(), nullable=False),
+    pa.field("n", pa.int64(), nullable=False),
+    pa.field("eigenvalue", pa.float64(), nullable=False),  # the largest of Σqqᵀ/n
+    pa.field("trace", pa.float64(), nullable=False),  # Σ‖q‖²/n, the sum of its eigenvalues
+    pa.field("q_mean_along", pa.float64(), nullable=False),  # ⟨Σq/n, v⟩
+    pa.field("k_mean_along", pa.float64(), nullable=False),  # ⟨Σk/n, v⟩
+])
+
 TABLES: dict[str, pa.Schema] = {
     "token_sums": TOKEN_SUMS,
     "layer_sums": LAYER_SUMS,
@@ -270,6 +316,7 @@ TABLES: dict[str, pa.Schema] = {
     "samples": SAMPLES,
     "sequence_moments": SEQUENCE_MOMENTS,
     "massive": MASSIVE,
+    "attention_sums": ATTENTION_SUMS,
     "token_stats": TOKEN_STATS,
     "token_vectors": TOKEN_VECTORS,
     "layer_totals": LAYER_TOTALS,
@@ -278,10 +325,12 @@ TABLES: dict[str, pa.Schema] = {
     "samples_merged": SAMPLES_MERGED,
     "sequence_moments_merged": SEQUENCE_MOMENTS_MERGED,
     "massive_merged": MASSIVE_MERGED,
+    "attention_totals": ATTENTION_TOTALS,
     "spectrum": SPECTRUM,
     "sequence_eigenvalues": SEQUENCE_SPECTRUM,
     "dim_variance": DIM_VARIANCE,
     "layer_metrics": LAYER_METRICS,
+    "attention_direction": ATTENTION_DIRECTION,
     "partition_fn": PARTITION_FN,
     "norm_params": NORM_PARAMS,
     "vocab": VOCAB,
@@ -300,15 +349,16 @@ def write_options(table: str, arrow_schema: pa.Schema) -> dict:
     elif table == "token_stats":
         opts["column_encoding"] = {"layer": "DELTA_BINARY_PACKED", "token_id": "DELTA_BINARY_PACKED",
                                    "sum_sq": "BYTE_STREAM_SPLIT"}
-    elif table in ("token_vectors", "moments", "moments_merged", "sequence_moments", "sequence_moments_merged"):
+    elif table in ("token_vectors", "moments", "moments_merged", "sequence_moments", "sequence_moments_merged",
+                   "attention_sums", "attention_totals"):
         opts["compression"] = "none"
     return opts
 
 
-DATA_TABLES = ("token_sums", "layer_sums", "moments", "samples", "sequence_moments", "massive")
+DATA_TABLES = ("token_sums", "layer_sums", "moments", "samples", "sequence_moments", "massive", "attention_sums")
 MERGED_TABLES = ("token_stats", "token_vectors", "layer_totals", "frequency_buckets", "moments_merged",
                  "samples_merged", "sequence_moments_merged", "massive_merged", "spectrum",
-                 "sequence_eigenvalues", "dim_variance", "layer_metrics")
+                 "sequence_eigenvalues", "dim_variance", "layer_metrics", "attention_totals", "attention_direction")
 STATE_TABLES = ("token_vectors", "moments_merged", "samples_merged", "sequence_moments_merged")  # only for later folds: compact drops them
 PARAM_TABLES = ("partition_fn", "norm_params", "vocab")
 

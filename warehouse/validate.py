@@ -41,7 +41,7 @@ from common import faults
 from common.errors import UserError
 
 from . import merge, orphans, query, schema, store
-from .storage import Storage, open_storage, verify
+from .storage import Storage, StorageFault, open_storage, verify
 from .store import Entry, Manifest
 
 GRACE_S = 3600.0  # default grace period: a file not listed must be at least this old to be quarantined
@@ -70,11 +70,15 @@ def check_file(st: Storage, rel: str, table: str, entry: Entry) -> list[str]:
     if want_sum:
         try:
             verify(st, rel, want_sum, merge.repair_hint(entry))
+        except StorageFault:  # the store failed, not the file: one line, not a problem of the file
+            raise
         except UserError as e:
             return [str(e)]
     try:
         pf = st.parquet_file(rel)
         got = pf.schema_arrow
+    except StorageFault:
+        raise
     except Exception as e:  # pyarrow raises several types for a damaged file
         return [f"{rel}: not a readable Parquet file ({str(e)[:200]}); {merge.repair_hint(entry)}"]
     want = schema.TABLES[table]
@@ -87,11 +91,13 @@ def check_file(st: Storage, rel: str, table: str, entry: Entry) -> list[str]:
                 problems.append(f"{rel}: column {f.name} is {got.field(f.name).type}, the schema says {f.type}")
     keys = [k for k in ("model", "checkpoint", "source", "shard") if k in got.names and entry.get(k) is not None]
     try:
-        t = pf.read(columns=keys)
+        t = st.read_table(rel, columns=keys)
         for k in keys:
             values = set(pc.unique(t.column(k)).to_pylist())
             if values - {entry[k]}:
                 problems.append(f"{rel}: column {k} holds {sorted(values)}, the manifest says {entry[k]!r}")
+    except StorageFault:
+        raise
     except Exception as e:
         problems.append(f"{rel}: unreadable data ({str(e)[:200]})")
     return problems

@@ -10,14 +10,18 @@ importing only those below it:
 * matmul.py — the moments' matrix-product back-ends (oneDNN, MKL, bf16 tensor cores);
 * background.py — the executors that run the moments off the forward's path (thread, CUDA stream);
 * sample.py — `Sample`: the mergeable bottom-k sample of token vectors;
+* attention.py — `AttentionSums`: per-head query/key sums of every block's attention;
+* qk_kernels.py — their compiled GPU step (`qk_step`);
+* sinks.py — the attention on each window's first token (a second score pass, log space);
 * paths.py — the code paths taken, and the one-line warning for a slower one.
 
 The per-window measures built on the same pass are `extract/sequences.py`.
 """
 
+from .attention import AttentionSums
 from .moments import PRECISIONS, Moments
 from .sample import Sample
 from .spill import remove_orphans
 from .sums import TokenSums
 
-__all__ = ["PRECISIONS", "Moments", "Sample", "TokenSums", "remove_orphans"]
+__all__ = ["AttentionSums", "PRECISIONS", "Moments", "Sample", "TokenSums", "remove_orphans"]

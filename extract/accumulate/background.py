@@ -5,6 +5,13 @@ order submitted, so the sums are added in the same order as inline — bit-ident
 
 * `Worker` (a CPU): one low-priority background thread with a byte-bounded queue;
 * `SideStream` (a GPU): a CUDA side stream, no host synchronisation.
+
+**The CPU's thread budget** (`cpu_plan`): the forward keeps torch's intra-op threads (one per core);
+the worker runs its products on `ISO_WORKER_THREADS` intra-op threads (default 1) at nice 19, so the
+process never runs more busy OpenMP teams than it has cores plus one idle-priority thread — a
+second team of as many threads as cores, spinning at its barriers, would take the cores the
+forward's own team waits for.  `ISO_MOMENTS_WORKER=inline|thread` overrides where the moments run
+(default: the thread).
 """
 
 from __future__ import annotations
@@ -14,6 +21,27 @@ import queue
 import threading
 
 import torch
+
+from common.errors import UserError
+
+WORKER_ENV = "ISO_MOMENTS_WORKER"  # inline | thread: where a CPU's moments run (default: thread)
+THREADS_ENV = "ISO_WORKER_THREADS"  # intra-op threads of the worker (default 1)
+
+
+def cpu_plan(env=None) -> tuple[bool, int]:
+    """(whether a CPU's moments run on the background `Worker`, its intra-op threads), from
+    ISO_MOMENTS_WORKER and ISO_WORKER_THREADS.  A bad value is an error naming the variable."""
+    env = os.environ if env is None else env
+    where = env.get(WORKER_ENV, "thread").strip().lower() or "thread"
+    if where not in ("thread", "inline"):
+        raise UserError(f"{WORKER_ENV}={env[WORKER_ENV]!r}: expected thread or inline")
+    try:
+        threads = int(env.get(THREADS_ENV, "1"))
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise UserError(f"{THREADS_ENV}={env[THREADS_ENV]!r}: expected a positive integer")
+    return where == "thread", threads
 
 
 class SideStream:
@@ -53,11 +81,13 @@ class Worker:
     the main thread drives the model.  The thread (and the OpenMP threads it starts, which inherit
     it) runs at the lowest priority, nice 19: on a CPU the forward keeps its cores and the products
     take what it leaves idle (Python between kernels, tokenising, single-threaded ops) — until the
-    queue is full and the main thread waits for them (docs/views-guide.md, "Moments by default")."""
+    queue is full and the main thread waits for them (docs/views-guide.md, "Moments by default").
+    Its products run on `threads` intra-op threads (the module's docstring: the thread budget)."""
 
     NICE = 19
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, threads: int = 1):
+        self.threads = threads
         self._q: queue.Queue = queue.Queue()  # bounded by bytes, below
         self._max_bytes = max_bytes
         self._pending = 0  # bytes of the queued calls' tensors
@@ -71,6 +101,9 @@ class Worker:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.NICE)
         except (AttributeError, OSError):
             pass
+        # This thread's OpenMP team and MKL threads (per thread; torch also keeps the number as the
+        # default of threads that start later — the main thread's own team is left as it is).
+        torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while True:
                 item = self._q.get()

@@ -12,7 +12,7 @@ import torch
 
 from common.errors import UserError
 
-from .background import SideStream, Worker
+from .background import SideStream, Worker, cpu_plan
 from .matmul import ONEDNN, add_gram_upper, avx512, mm_bf16, mm_out_dtype
 from .paths import slow_path
 
@@ -78,11 +78,10 @@ class Moments:
         self._nt = ONEDNN if self._shifted and dev.type == "cpu" and avx512() else None
         self._chunked = self._shifted and dev.type == "cpu"
         self._bufs = [torch.empty(0, dtype=self._dtype, device=dev) for _ in range(2)]  # layers alternate
-        self._pair = torch.empty(0, dtype=torch.bfloat16, device=dev)  # bfloat16: (M, 2d), layers alternate halves
+        self._split_bufs = [torch.empty(0, 0, dtype=torch.bfloat16, device=dev) for _ in range(2)]  # hi | lo
         self._split: list[bool | None] = [None] * n_layers  # bf16: centred hi+lo rows (decided at the first batch)
         self._ratio: list[float | None] = [None] * n_layers  # bf16: the first batch's ‖μ‖²/tr C per layer
-        self._pair_rows_of: list = [None, None]  # bf16: which (layer, rows) each half of the pair buffer holds
-        self._pair_ok = False
+        self._dim_ratio: list[float | None] = [None] * n_layers  # and its max μ_i² / max C_ii
         self._tensor_cores = dev.type == "cuda"  # bf16 products with a float32 output, where torch has them
         self._out_dtype: bool | None = None  # decided at the first bf16 rows (`add`)
         self.paths: dict[str, str] = {"moments": {
@@ -91,14 +90,16 @@ class Moments:
             "float32": "float32 (centred" + (", oneDNN)" if self._nt is not None else ")")}[precision]}
         if self._bf16:
             self.paths["moments_rows"] = "raw"
-        if background is None:  # on a CPU: the moments' work fills the cores the forward leaves idle
-            background = dev.type == "cpu"
+        threads = 1
+        if dev.type == "cpu":  # the moments' work fills the cores the forward leaves idle (background.py)
+            thread, threads = cpu_plan()
+            background = thread if background is None else background
         if not background:
             self._worker = None
         elif dev.type == "cuda":  # a side stream: the products overlap the forward's kernels, no host sync
             self._worker = SideStream(dev)
         else:
-            self._worker = Worker(max_bytes=self.QUEUE_BYTES)
+            self._worker = Worker(max_bytes=self.QUEUE_BYTES, threads=threads)
 
     @property
     def has_cross(self) -> bool:
@@ -201,20 +202,20 @@ class Moments:
     def _add_bf16(self, layer: int, h: torch.Tensor, ok: torch.Tensor, given=None) -> None:
         """precision "bfloat16": products of bf16 rows, every one exact in float32; float32
         accumulation over ≤ CHUNK_BF16 rows per product (tensor cores on a GPU), each product added
-        into the float64 sums.  How the rows go in is decided per layer at its first batch, from
-        that batch's ‖μ‖²/tr C (one host read per layer, once):
+        into the float64 sums.  Only the upper triangle of a layer's Gram matrix is multiplied and
+        folded (`_add_sym`); a cross moment is one full product of the two layers' rows (views of
+        the rows as given, no copies).  How the rows go in is decided per layer at its first batch
+        (`_decide`, one host read per layer, once):
 
-        * ≤ SPLIT_RATIO: the raw rows as they are.  With cross moments, a layer's rows go to one half
-          of an (M, 2d) buffer, the halves alternating by layer, so that its Gram matrix and the
-          cross moment with the previous layer (the other half, the same rows) are one product:
-          [h_prev | h]ᵀ h, (2d, d) — full, not the upper triangle; without, hᵀh of the rows.
-        * above (a large mean: float32 sums of raw products lose the covariance, the error growing
-          like ‖μ‖²/tr C): the rows centred on a bf16 centre c (the first batch's mean, rounded),
+        * a small mean: the raw rows as they are.
+        * a large mean (‖μ‖²/tr C > SPLIT_RATIO, or a few massive dimensions: max μ_i²/max C_ii >
+          SPLIT_DIM_RATIO; float32 sums of raw products lose the covariance, the error growing like
+          these ratios): the rows centred on a bf16 centre c (the first batch's mean, rounded),
           x = h − c in float32 (exact: both have 8-bit significands), split into bf16 parts
-          x = hi + lo (+ 2⁻¹⁸|x| at most), and Σ x xᵀ = Σ hiᵀhi + hiᵀlo + loᵀhi + loᵀlo as one
-          product of 4× the rows; rows that are not ok are zeroed after centring, and the shift is
-          undone in float64 when the sums are read (`s2`, `cross`).  Four times the multiply-adds,
-          for that layer only; the error no longer grows with the mean."""
+          x = hi + lo (+ 2⁻¹⁸|x| at most), and Σ x xᵀ = Σ hiᵀhi + hiᵀlo + loᵀhi + loᵀlo
+          (`_add_sym`: 2.25× a raw layer's multiply-adds, 3.6× its upper triangle's); rows that are
+          not ok are zeroed after centring, and the shift is undone in float64 when the sums are read
+          (`s2`, `cross`).  The error no longer grows with the mean."""
         M, d = h.shape
         s, n = given if given is not None else (h.sum(0, dtype=torch.float64), ok.sum())  # (d,) Σh, () rows ok
         self._n[layer] += n
@@ -227,82 +228,96 @@ class Moments:
         paired = prev is not None and prev[0] == layer - 1 and prev[1] == M
         if paired:
             self._n_pair[layer - 1] += (prev[2] & ok).sum()
-        raw = not self._split[layer] and (not paired or not self._split[layer - 1])
-        if self._cross is None or not raw:
-            if self._cross is not None:  # the previous layer's parts are kept for the cross moment
-                if paired and raw is False:
-                    both = (prev[2] & ok).unsqueeze(1)  # (M, 1) rows counted in both layers
-                    self._pair_s[layer - 1, 0] += torch.where(both, prev[4], 0).sum(0, dtype=torch.float64)
-                    self._pair_s[layer - 1, 1] += torch.where(both, h, 0).sum(0, dtype=torch.float64)
-                self._prev = (layer, M, ok, parts, h)
-            for a in range(0, M, self.CHUNK_BF16):
-                P = [x[a: a + self.CHUNK_BF16] for x in parts]  # (k, d) each
-                self._s2[layer] += self._gram(P, P)
-                if paired:
-                    self._cross[layer - 1] += self._gram([x[a: a + self.CHUNK_BF16] for x in prev[3]], P)
-            if self._cross is not None:  # a later raw layer pairs with this one through the buffer
-                self._pair_fill(layer, h)
-            return
-        # raw rows (this layer and the previous one): the pair buffer, one product per chunk
-        buf, cur, half = self._pair_fill(layer, h)
-        paired = paired and self._pair_ok
-        self._prev = (layer, M, ok, parts, h)
+            if self._split[layer] or self._split[layer - 1]:  # Σh over the rows counted in both (cross)
+                both = (prev[2] & ok).unsqueeze(1)  # (M, 1)
+                self._pair_s[layer - 1, 0] += torch.where(both, prev[4], 0).sum(0, dtype=torch.float64)
+                self._pair_s[layer - 1, 1] += torch.where(both, h, 0).sum(0, dtype=torch.float64)
+        if self._cross is not None:  # this layer's rows (or parts) are kept for the next layer's cross moment
+            self._prev = (layer, M, ok, parts, h)
         for a in range(0, M, self.CHUNK_BF16):
-            rows = buf[a: a + self.CHUNK_BF16]  # (k, 2d)
-            if paired:  # rows of [Σ h_prev hᵀ ; Σ h hᵀ] or the reverse, by which half is which
-                P = mm_bf16(rows.T, rows[:, cur], self._out_dtype)  # (2d, d) float32
-                self._s2[layer] += P[cur]
-                self._cross[layer - 1] += P[(1 - half) * d: (2 - half) * d]
-            else:
-                x = rows[:, cur]
-                self._s2[layer] += mm_bf16(x.T, x, self._out_dtype)  # (d, d)
+            P = [x[a: a + self.CHUNK_BF16] for x in parts]  # (k, d) each
+            self._add_sym(self._s2[layer], P)
+            if paired:
+                self._cross[layer - 1] += self._gram([x[a: a + self.CHUNK_BF16] for x in prev[3]], P)
 
     SPLIT_RATIO = 1.0  # ‖μ‖²/tr C above which a layer's bf16 rows are centred and split (see _add_bf16)
+    # max_i μ_i² / max_i C_ii above which they are too: a few massive dimensions whose mean dominates
+    # the largest variance, though not the trace (a trained model's massive activations).  Raw rows'
+    # covariance error, relative to the largest entry, measured against float64 (docs/views-guide.md,
+    # precision): 6.3e-6 on a trained model's layer at a ratio of 7.2, 3e-6–6e-5 on synthetic rows at
+    # 25–623; the split rows' 6.5e-7 at every ratio.  Below 8, raw rows stay within 1e-5
+    SPLIT_DIM_RATIO = 8.0
 
     def _decide(self, layer: int, h: torch.Tensor, s: torch.Tensor, n: torch.Tensor) -> None:
-        """A layer's first batch: raw or centred-and-split rows, from its ‖μ‖²/tr C (one host read)."""
+        """A layer's first batch: raw or centred-and-split rows, from its ‖μ‖²/tr C and max μ_i²/max C_ii
+        (one host read)."""
         k = n.clamp(min=1).double()
         mu = s / k  # (d,)
-        q = h.double().square().sum() / k  # mean ‖h‖² over the counted rows (zeroed rows add nothing)
-        mu2 = mu.square().sum()
-        ratio = float(mu2 / (q - mu2).clamp_min(1e-300))
+        q = h.double().square().sum(0) / k  # (d,) mean h_i² over the counted rows (zeroed rows add nothing)
+        mu2 = mu.square()
+        both = torch.stack([mu2.sum() / (q.sum() - mu2.sum()).clamp_min(1e-300),
+                            mu2.max() / (q - mu2).max().clamp_min(1e-300)])
+        ratio, dim_ratio = both.tolist()
         self._ratio[layer] = ratio
-        self._split[layer] = ratio > self.SPLIT_RATIO
+        self._dim_ratio[layer] = dim_ratio
+        self._split[layer] = ratio > self.SPLIT_RATIO or dim_ratio > self.SPLIT_DIM_RATIO
         if self._split[layer]:
             self._c[layer] = mu.to(torch.bfloat16).float()  # a bf16 value: h − c is exact in float32
             split = [i for i, x in enumerate(self._split) if x]
-            self.paths["moments_rows"] = f"centred hi+lo in layers {split} (|mu|^2/tr C > {self.SPLIT_RATIO:g}), raw elsewhere"
+            self.paths["moments_rows"] = (f"centred hi+lo in layers {split} (|mu|^2/tr C > {self.SPLIT_RATIO:g} or "
+                                          f"max mu_i^2/max C_ii > {self.SPLIT_DIM_RATIO:g}), raw elsewhere")
 
     def _parts(self, layer: int, h: torch.Tensor, ok: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The rows as they go into the products: (h,), or the centred rows' bf16 parts (hi, lo), views
+        of one (M, 2d) buffer per layer parity (the previous layer's parts stay for its cross moment)."""
         if not self._split[layer]:
             return (h,)
+        M, d = h.shape
+        buf = self._split_bufs[layer % 2]
+        if buf.shape[0] < M or buf.shape[1] != 2 * d:
+            buf = self._split_bufs[layer % 2] = torch.empty(M, 2 * d, dtype=torch.bfloat16, device=h.device)
+        hi, lo = buf[:M, :d], buf[:M, d:]
         x = torch.where(ok.unsqueeze(1), h.float() - self._c[layer], 0.0)  # (M, d) float32, exact
-        hi = x.to(torch.bfloat16)
-        lo = (x - hi.float()).to(torch.bfloat16)  # x − hi exact in float32; |lo| ≤ 2⁻⁹|x|
+        hi.copy_(x)  # rounded to bf16
+        lo.copy_(x.sub_(hi))  # x − hi exact in float32; |lo| ≤ 2⁻⁹|x|
         return hi, lo
 
-    def _gram(self, A: list[torch.Tensor], B: list[torch.Tensor]) -> torch.Tensor:
-        """Σ_{p, q} A_pᵀ B_q, (d, d) float32, as one product over the parts stacked along the rows."""
-        if len(A) == 1 and len(B) == 1:
-            return mm_bf16(A[0].T, B[0], self._out_dtype)
-        left = torch.cat([a for a in A for _ in B])  # (|A||B| k, d)
-        right = torch.cat([b for _ in A for b in B])
-        return mm_bf16(left.T, right, self._out_dtype)
+    PANELS = 4  # row panels of a bf16 Gram matrix's upper triangle: 5/8 of a full product's multiply-adds
 
-    def _pair_fill(self, layer: int, h: torch.Tensor):
-        """The layer's raw rows into its half of the pair buffer; returns (buffer rows, its half's
-        columns, the half).  `_pair_ok`: whether the other half holds the previous layer's rows."""
-        M, d = h.shape
-        if self._pair.shape[0] < M or self._pair.shape[1] != 2 * d:
-            self._pair = torch.empty(M, 2 * d, dtype=torch.bfloat16, device=h.device)
-            self._pair_rows_of = [None, None]  # the previous layer's rows were not kept
-        half = layer % 2
-        cur = slice(half * d, (half + 1) * d)
-        buf = self._pair[:M]
-        buf[:, cur] = h  # exact copy
-        self._pair_ok = self._pair_rows_of[1 - half] == (layer - 1, M)
-        self._pair_rows_of[half] = (layer, M)
-        return buf, cur, half
+    def _add_sym(self, S: torch.Tensor, P: list[torch.Tensor]) -> None:
+        """S (d, d) float64 += the upper triangle of xᵀx (`s2` reads no more), for x the rows (k, d) or
+        the sum of their parts hi + lo: by row panels, each panel's products summed in float32 and
+        folded once — hiᵀhi + loᵀlo by panels, hiᵀlo once in full for its transpose's share (2.25 k·d²
+        multiply-adds for split rows, 0.625 k·d² for raw ones; products of views, no copies)."""
+        if self._out_dtype:
+            mm = lambda a, b: mm_bf16(a, b, True)  # noqa: E731
+        else:  # the rows upcast once (exact), not each panel's operands: the same products
+            P = [x.float() for x in P]
+            mm = torch.mm
+        if len(P) == 1:
+            x = P[0]
+            add_gram_upper(S, lambda a, b: mm(x[:, a:b].T, x[:, a:]), self.PANELS)
+            return
+        hi, lo = P
+        cross = mm(hi.T, lo)  # (d, d) float32: hiᵀlo, and loᵀhi as its transpose
+
+        def block(a, b):  # rows a:b of the upper triangle's panel of Σ x xᵀ, (b − a, d − a)
+            out = mm(hi[:, a:b].T, hi[:, a:])
+            out += mm(lo[:, a:b].T, lo[:, a:])
+            out += cross[a:b, a:]
+            out += cross[a:, a:b].T
+            return out
+
+        add_gram_upper(S, block, self.PANELS)
+
+    def _gram(self, A: list[torch.Tensor], B: list[torch.Tensor]) -> torch.Tensor:
+        """Σ_{p, q} A_pᵀ B_q, (d, d) float32: one product per pair of parts (views, no copies)."""
+        out = None
+        for a in A:
+            for b in B:
+                p = mm_bf16(a.T, b, self._out_dtype)
+                out = p if out is None else out.add_(p)
+        return out
 
     def finish(self) -> None:
         """Wait for the queued work (re-raising its error); the sums are complete after."""

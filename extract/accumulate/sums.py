@@ -34,6 +34,7 @@ import torch
 
 from common.errors import UserError
 
+from . import fused as fused_kernels
 from .kernels import (change_distance, change_norms, change_sum_norm, change_sums, chunk_terms, compiled_layer_step,
                       opposite_norm, run_compiled, unit_means, window_sums)
 from .moments import Moments
@@ -49,7 +50,7 @@ class TokenSums:
     def __init__(self, n_layers: int, vocab: int, d: int, device: torch.device | str,
                  master_device: torch.device | str | None = None, fold_partials: bool | None = None,
                  budget: int | None = None, spill_dir: str | Path | None = None, fused: bool | None = None,
-                 host_budget: int | str | None = "auto"):
+                 host_budget: int | str | None = "auto", triton: bool | None = None):
         self.L, self.V, self.d = n_layers, vocab, d
         self.device = torch.device(device)
         self.master = torch.device(master_device or device)
@@ -90,12 +91,21 @@ class TokenSums:
         use = self.device.type == "cuda" and not self.fold_partials if fused is None else fused
         self._fused = compiled_layer_step() if use else None
         self._compiled_once = False
+        # On a GPU, without --sequences or --sample: the Triton kernels of fused.py before the compiled
+        # step (`triton=True` on a CPU: the same kernels in Triton's interpreter, for tests)
+        if triton is None:
+            triton = use and self.device.type == "cuda" and fused_kernels.enabled()
+        self._triton = bool(triton) and fused_kernels.available()
+        self._triton_once = False
+        self._plan = None
         # the code paths this run takes (recorded with the run; a slower one also warns once, one line);
         # the token sums are added by atomic scatter-adds on every path
-        self.paths: dict[str, str] = {"layer_step": "compiled" if use else "eager", "scatter": "atomic"}
+        self.paths: dict[str, str] = {"layer_step": "triton" if self._triton else "compiled" if use else "eager",
+                                      "scatter": "segmented" if self._triton else "atomic"}
         self.moments: Moments | None = None  # optional consumers of the raw (unnormalised) vectors
         self.sample: Sample | None = None
         self.extra = None  # optional WindowMeasures (extract/sequences.py)
+        self.attention = None  # optional AttentionSums (attention.py), fed by the attention capture
 
     # ------------------------------------------------------------ slots (the table and its tiers)
 
@@ -194,6 +204,12 @@ class TokenSums:
 
     # ------------------------------------------------------------ the hot path
 
+    def layer_sums(self) -> list[str]:
+        """The names of the per-layer sums this accumulator adds to besides the token table: its public
+        tensors with one entry per layer (`nonfinite`, `sum_h`, …)."""
+        return sorted(k for k, v in vars(self).items() if not k.startswith("_") and isinstance(v, torch.Tensor)
+                      and v.dim() >= 1 and v.shape[0] == self.L)
+
     def _h2d(self, a) -> torch.Tensor:
         """A host array or tensor on the device; to a GPU through pinned memory, so the copy is
         asynchronous (from pageable memory a `non_blocking` copy makes the host wait)."""
@@ -235,6 +251,14 @@ class TokenSums:
                            torch.from_numpy(uniq).to(self.master))
         self._ones = torch.ones(len(ids), dtype=torch.int64, device=self.device)
         self._rows_counted = len(ids)
+        if self._triton and (lacking := sorted(set(self.layer_sums()) - fused_kernels.FILLS)):
+            # sums the kernels do not add: the compiled step (else eager), which adds every one (recorded,
+            # no warning: it is the path such an accumulator always takes)
+            step = "compiled" if self._fused is not None else "eager"
+            self.paths.update(layer_step=f"{step} (triton kernels lack {', '.join(lacking)})", scatter="atomic")
+            self._triton = False
+        self._plan = (fused_kernels.plan(sel_np, slots, B, T, self.L, self._h2d)
+                      if self._triton and not self.fold_partials else None)
         self._prev = None
         return len(ids)
 
@@ -244,6 +268,8 @@ class TokenSums:
         d = hidden.shape[-1]
         if self._rows_counted == 0:  # a batch with no counted position (only special tokens): nothing to add
             return
+        if self._plan is not None and self.sample is None and self.extra is None:
+            return self._add_triton(layer, hidden)
         if self._fused is not None and self.sample is None and uniq is None:
             prev = self._prev if self._prev is not None and self._prev[0] == layer - 1 else None
             if prev is not None and prev[1].dim() == 2:  # the eager path's rows (M, d): not the step's input
@@ -318,6 +344,28 @@ class TokenSums:
             self.counts[layer].index_add_(0, uniq, count.to(self.master))
         if self.extra is not None:
             self.extra.add(layer, h, ok, m, n_w)
+
+    def _add_triton(self, layer: int, hidden: torch.Tensor) -> None:
+        """The GPU path of `add` without --sequences or --sample: fused.py's kernels add the token sums,
+        the layer's sums and window terms in place, and hand the moments their rows, n and Σh."""
+        try:
+            out = fused_kernels.layer(self._plan, layer, hidden, self.sums[layer], self.counts[layer],
+                                      self.sum_h[layer], self.sum_u2[layer], self.nonfinite[layer: layer + 1],
+                                      self.zero[layer: layer + 1], self.windows[layer: layer + 1],
+                                      self.window_cos[layer: layer + 1], rows=self.moments is not None)
+        except Exception as e:  # noqa: BLE001 — a kernel that fails to compile fails before it writes
+            if self._triton_once:
+                raise
+            slow_path(self.paths, "layer_step", f"compiled (triton kernels failed: {type(e).__name__})",
+                      f"the Triton kernels of the accumulation step failed ({type(e).__name__}: {first_line(e)}); "
+                      "using the compiled step (slower, same sums)")
+            self.paths["scatter"] = "atomic"
+            self._triton = False
+            self._plan = None
+            return self.add(layer, hidden)
+        self._triton_once = True
+        if self.moments is not None:
+            self.moments.add(layer, out.rows, out.ok, s=out.s, n=out.n)
 
     def _prev_rows(self, layer: int, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The previous layer's counted rows (M, d) (excluded ones zero) and their 1/‖h‖ (M,) float64 (0

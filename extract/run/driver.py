@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from common.errors import UserError
 from warehouse import merge, query, store
-from warehouse.storage import open_storage
+from warehouse.storage import UncertainWrite, open_storage
 
 from ..memory import limit_malloc_arenas, release_memory
-from ..models import DTYPES, Loaded, ModelRef, check_dtype, load, model_identity, to_compute
+from ..models import DTYPES, Loaded, ModelRef, check_dtype, check_local, load, model_identity, to_compute
 from ..sources import Source, fingerprint, split_source
 from .preflight import check_coverage, params_kept, sources_to_run
 from .provenance import checkpoint_provenance, manifest_entry, run_provenance
@@ -101,6 +101,7 @@ def _checkpoint(run: _Run, checkpoint: str, manifest: dict) -> list[SourceResult
     """One checkpoint: checks on `manifest`, load, tables, commit, then compaction and the log lines."""
     ref, settings = run.ref, run.settings
     todo = list(run.sources)
+    check_local(ref, checkpoint, settings.trust_remote_code)
     identity = model_identity(ref, checkpoint)  # a local directory's weights: known before loading
     if settings.skip_done:
         todo, skip = sources_to_run(manifest, ref, checkpoint, run.sources, settings, run.prints, identity,
@@ -167,7 +168,7 @@ def _write_and_commit(run: _Run, loaded: Loaded, checkpoint: str, manifest: dict
         if params_kept(manifest, loaded, prov) or (reducer is not None and not reducer.writes):
             spent["parameter tables (kept)" if reducer is None or reducer.writes else "parameter tables (rank 0)"] = 0.0
         else:
-            params_files = write_params(root, loaded, work.run_id)
+            params_files = write_params(root, loaded, work.run_id, prov)
             spent["parameter tables"] = time.perf_counter() - t
             work.written += params_files.values()
             work.entries = [manifest_entry("params", loaded, work.run_id, params_files, settings, loaded.d, prov=prov)]
@@ -187,7 +188,7 @@ def _write_and_commit(run: _Run, loaded: Loaded, checkpoint: str, manifest: dict
                 after_commit(root, f"{run.ref.name}@{checkpoint}", failed_after[0], run.log)
         spent["commit"] = time.perf_counter() - t
     except BaseException as exc:
-        if not _keep_committed(run, checkpoint, work):
+        if not _keep_committed(run, checkpoint, work, keep=isinstance(exc, UncertainWrite)):
             if isinstance(exc, KeyboardInterrupt):
                 raise Interrupted(f"interrupted: nothing of {run.ref.name}@{checkpoint} was committed" +
                                   (f"; committed before it: {', '.join(run.committed)}" if run.committed else "")
@@ -196,11 +197,14 @@ def _write_and_commit(run: _Run, loaded: Loaded, checkpoint: str, manifest: dict
         after_commit(root, f"{run.ref.name}@{checkpoint}", exc, run.log)  # the record landed: say so
 
 
-def _keep_committed(run: _Run, checkpoint: str, work: _Work) -> bool:
-    """After a failure: removes the files no landed commit lists and releases the run's lease;
-    returns whether the checkpoint's commit landed (every entry's files in the warehouse)."""
+def _keep_committed(run: _Run, checkpoint: str, work: _Work, keep: bool = False) -> bool:
+    """After a failure: removes the files no landed commit lists (none with `keep` or when the state
+    cannot be read: a record that may still land would list them) and releases the run's lease;
+    returns whether the checkpoint's commit is known to have landed (every entry's files listed)."""
     kept = merge.committed_files(run.root, work.entries)  # the live manifest: did the commit land?
-    for rel in work.written:  # files of a commit that did not happen (never of one that did)
+    if kept is None:  # the state cannot be read: not known to have landed, and nothing deleted
+        kept, keep = set(), True
+    for rel in [] if keep else work.written:  # files of a commit that did not happen (never of one that did)
         if rel not in kept:
             with contextlib.suppress(Exception):  # a storage fault: an orphan for validate --fix
                 run.root.delete(rel)

@@ -43,6 +43,9 @@ class Settings:
     sequences: bool = False  # per-window measures (resolved: --sequences or --prompt-entropy)
     prompt_entropy: bool = default("prompt_entropy")  # per-window prompt entropy (an eigendecomposition per window and layer)
     sample: int = default("sample")  # K: bottom-k sample of token vectors per layer (0 = none)
+    attention: bool = False  # per-head query/key sums (resolved: --attention, --attention-moments or --attention-sinks)
+    attention_moments: bool = default("attention_moments")  # and their per-head second moments
+    attention_sinks: bool = default("attention_sinks")  # and the attention on each window's first token
     special_tokens: bool = default("special_tokens")  # count the positions of the tokenizer's special tokens
     memory_budget: int | None = None  # bytes for the token sums (resolved from --memory-budget); None: half the memory free
     spill_dir: str | None = default("spill_dir")  # where sums beyond the budget are spilled (None: the system's temp dir)
@@ -55,9 +58,11 @@ class Settings:
 
 def recorded_setting(settings: dict, key: str):
     """A run's recorded setting; runs from before --cross-moments stored the cross moments with
-    every moments run."""
+    every moments run, runs from before --attention measured no attention."""
     if key == "cross_moments" and key not in settings:
         return settings.get("moments")
+    if key in ("attention", "attention_moments", "attention_sinks") and key not in settings:
+        return False  # runs from before the attention sums had none
     return settings.get(key)
 
 

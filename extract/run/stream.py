@@ -8,6 +8,8 @@ layer's output to the sums."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -18,19 +20,32 @@ from common import faults
 from common.errors import UserError
 from common.progress import progress
 
-from ..accumulate import Moments, Sample, TokenSums
+from ..accumulate import AttentionSums, Moments, Sample, TokenSums
 from ..architectures import get_module
+from ..attention import attention_plan, capture_attention
 from ..hooks import capture_layers, layer_kinds
+from ..masks import known_padding
 from ..memory import available_memory
 from ..models import Loaded, forward_kwargs
 from ..sequences import WindowMeasures
 from ..sources import (ReadStats, SentenceSplitter, Source, indexed_documents, position_keys, source_salt,
                        split_documents, split_source)
-from ..staging import Prefetch
+from ..staging import Prefetch, stage
 from .settings import Settings, SourceResult
 from .windows import Batcher, Windower, batch_limits, batches, windows
 
 PREFETCH_BATCHES = 4  # batches made ahead on a background thread (extract/staging.py); 0: in the loop
+PREFETCH_ENV = "ISO_PREFETCH"  # overrides PREFETCH_BATCHES (benchmarks: the thread budget's variants)
+
+
+def prefetch_batches() -> int:
+    """Batches made ahead: $ISO_PREFETCH, else PREFETCH_BATCHES."""
+    value = os.environ.get(PREFETCH_ENV, "").strip()
+    if not value:
+        return PREFETCH_BATCHES
+    if not value.isdigit():
+        raise UserError(f"{PREFETCH_ENV}={value!r}: expected a number of batches (0: made in the loop)")
+    return int(value)
 MASK_ONLY_WITH_PADDING = True  # a batch without padding goes in with attention_mask=None (same sums)
 
 
@@ -60,10 +75,25 @@ def new_accumulator(loaded: Loaded, settings: Settings, budget: int) -> TokenSum
                                        worker=acc.moments._worker if acc.moments is not None else None)
         if settings.sample:
             acc.sample = Sample(len(kinds), settings.sample, d)
+        plan = attention_for(loaded, settings)
+        if plan is not None:
+            acc.attention = AttentionSums(plan.shapes, settings.device, moments=settings.attention_moments,
+                                          sinks=settings.attention_sinks)
         return acc
     except BaseException:
         acc.close()
         raise
+
+
+def attention_for(loaded: Loaded, settings: Settings):
+    """The attention plan (extract/attention.py) where --attention is on and the model is covered;
+    a model that is not gets one line, once."""
+    if not settings.attention:
+        return None
+    plan, why = attention_plan(loaded.model, loaded.layout,
+                               say=lambda why: print(f"note: {loaded.ref.name}@{loaded.checkpoint}: no per-head "
+                                                     f"attention sums ({why})", file=sys.stderr))
+    return plan
 
 
 def base_forward(loaded: Loaded, settings: Settings):
@@ -73,10 +103,12 @@ def base_forward(loaded: Loaded, settings: Settings):
     device = settings.device
 
     def run(input_ids: torch.Tensor, mask: torch.Tensor | None) -> None:  # (B, T) each, on the host
-        if mask is not None and MASK_ONLY_WITH_PADDING and bool(mask.all()):  # a host tensor: no device sync
+        if mask is not None and MASK_ONLY_WITH_PADDING and mask.numpy().all():  # a host tensor: no device sync
             mask = None  # no padding: no mask, so transformers' mask code has nothing to test on the device
-        base(input_ids=input_ids.to(device, non_blocking=True),
-             attention_mask=None if mask is None else mask.to(device, non_blocking=True), **kwargs)
+        # padding, known here: transformers' checks of the device mask answered from the host (masks.py)
+        with known_padding() if mask is not None and MASK_ONLY_WITH_PADDING else contextlib.nullcontext():
+            base(input_ids=input_ids.to(device, non_blocking=True),
+                 attention_mask=None if mask is None else mask.to(device, non_blocking=True), **kwargs)
 
     return run
 
@@ -85,6 +117,8 @@ def forward_batch(run, acc: TokenSums, batch, salt: int, result: SourceResult) -
     """One batch through the base model (`run`: `base_forward`), its layers folded into `acc` by the hooks."""
     input_ids, mask, counted, where = batch
     n = acc.set_batch(input_ids, counted, where)
+    if acc.attention is not None:
+        acc.attention.set_batch(counted, mask)
     if acc.sample is not None:
         w = where[counted]  # (M, 2): document, position
         keys = torch.from_numpy(position_keys(salt, w[:, 0].numpy(), w[:, 1].numpy()))
@@ -111,7 +145,8 @@ def code_paths(acc: TokenSums) -> dict[str, str]:
     """The code paths a source's sums took (a slower one also warned when it was taken)."""
     if acc.moments is not None:
         acc.moments.finish()  # its background thread decides each layer's rows at the layer's first batch
-    return {**acc.paths, **(acc.moments.paths if acc.moments is not None else {})}
+    return {**acc.paths, **(acc.moments.paths if acc.moments is not None else {}),
+            **(acc.attention.paths if acc.attention is not None else {})}
 
 
 def _bar(loaded: Loaded, name: str, settings: Settings):
@@ -134,8 +169,10 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
         specials = not source.pretokenized  # training rows are fed as the model saw them
         made = Prefetch(lambda: batches(  # tokenised and packed on a background thread, ≤ PREFETCH_BATCHES ahead
             loaded, windows(loaded, texts, settings, result, splitter, specials), *batch_limits(loaded, settings),
-            settings.special_tokens, specials), settings.device, PREFETCH_BATCHES)
-        with made, torch.inference_mode(), capture_layers(loaded.model, loaded.layout, acc.add):
+            settings.special_tokens, specials), settings.device, prefetch_batches())
+        plan = attention_for(loaded, settings) if acc.attention is not None else None  # probed before the hooks
+        with made, torch.inference_mode(), capture_layers(loaded.model, loaded.layout, acc.add), \
+                capture_attention(plan, acc.attention.add if plan is not None else None):
             for batch in made:
                 bar.update(forward_batch(forward, acc, batch, salt, result))
         bar.close()
@@ -178,6 +215,9 @@ def accumulate_split(loaded: Loaded, source: Source, settings: Settings) -> list
     def add(layer: int, hidden: torch.Tensor) -> None:
         current[0].add(layer, hidden)
 
+    def add_attention(*args) -> None:
+        current[0].attention.add(*args)
+
     def part_of(value: str) -> SplitPart:
         sub = split_source(source, value)
         if sub.name in names:
@@ -200,15 +240,18 @@ def accumulate_split(loaded: Loaded, source: Source, settings: Settings) -> list
         return parts[value]
 
     def run(part: SplitPart, batch) -> None:
+        batch = stage(batch, settings.device)  # pinned on CUDA, so the copies to the device do not wait
         current[0] = part.acc
         t = time.perf_counter()
         bar.update(forward_batch(forward, part.acc, batch, part.salt, part.result))
         part.result.seconds += time.perf_counter() - t
 
     forward = base_forward(loaded, settings)
+    plan = attention_for(loaded, settings)  # its probe forward before the layer hooks are in place
     bar = _bar(loaded, f"{source.name} (split by {source.split_by})", settings)
     try:
-        with torch.inference_mode(), capture_layers(loaded.model, loaded.layout, add):
+        with torch.inference_mode(), capture_layers(loaded.model, loaded.layout, add), \
+                capture_attention(plan, add_attention):
             for index, value, text in split_documents(source, settings.read_shard or settings.shard, stats):
                 part = parts.get(value) or part_of(value)
                 if part.windower.exhausted:  # --max-tokens of this value reached

@@ -1,5 +1,5 @@
 """Writing a run's tables: one source's sums (token_sums, layer_sums, and as measured moments,
-sequence_moments, massive, samples) and a checkpoint's parameter tables (partition_fn, norm_params,
+sequence_moments, massive, samples, attention_sums) and a checkpoint's parameter tables (partition_fn, norm_params,
 vocab), each a Parquet file per table through `store.TableWriter`, aborted (removed) on failure; and
 the empty partition folders a failed checkpoint leaves behind."""
 
@@ -16,10 +16,12 @@ import pyarrow as pa
 from warehouse import schema, store
 
 from ..accumulate import TokenSums
+from ..architectures import get_module
 from ..hooks import layer_kinds
 from ..models import Loaded
 from ..params import norm_table, partition_table, vocab_table
 from ..sources import Source
+from . import params_cache
 from .settings import Settings
 
 
@@ -155,6 +157,13 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
                          "position": smp.meta[:, 1].numpy(), "token_id": smp.meta[:, 2].numpy().astype(np.int32),
                          "vec": list(smp.vecs[layer].numpy())})
             files["samples"] = w.close()
+        if getattr(acc, "attention", None) is not None:
+            w = store.TableWriter(root, "attention_sums", values, run_id)
+            writers.append(w)
+            rows = acc.attention.rows()
+            w.write({**{k: [v] * len(rows) for k, v in key.items()},
+                     **{f.name: [r[f.name] for r in rows] for f in schema.ATTENTION_SUMS if f.name not in key}})
+            files["attention_sums"] = w.close()
         return files, stored
     except BaseException:
         for w in writers:
@@ -162,14 +171,23 @@ def write_sums(root, loaded: Loaded, source: Source, settings: Settings, acc: To
         raise
 
 
-def write_params(root, loaded: Loaded, run_id: str) -> dict[str, str]:
-    """The parameter tables of one checkpoint (partition_fn, norm_params, vocab); returns their files."""
+def write_params(root, loaded: Loaded, run_id: str, prov: dict | None = None) -> dict[str, str]:
+    """The parameter tables of one checkpoint (partition_fn, norm_params, vocab); returns their files.
+    With the checkpoint's provenance `prov`, the partition table comes from the cache of tables
+    (params_cache.py) where it holds this checkpoint's, else is computed and kept there."""
     values = {"model": loaded.ref.name, "checkpoint": loaded.checkpoint}
     key = {**values, "step": loaded.step}
     files = {}
     written = []
+    emb = get_module(loaded.model, loaded.layout.embedding).weight  # where and in what the table is computed
+    cached = None if prov is None else params_cache.cache_key(
+        prov.get("model_identity"), prov.get("params_code"), prov.get("layout"), f"{emb.device.type} {emb.dtype}")
+    partition = params_cache.read(cached)
+    if partition is None:
+        partition = partition_table(loaded)
+        params_cache.write(cached, partition)
     try:
-        for table, rows in (("partition_fn", partition_table(loaded)), ("norm_params", norm_table(loaded)),
+        for table, rows in (("partition_fn", partition), ("norm_params", norm_table(loaded)),
                             ("vocab", vocab_table(loaded))):
             w = store.TableWriter(root, table, values, run_id)
             written.append(w)

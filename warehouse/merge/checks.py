@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from common.errors import UserError
 
-from ..storage import Storage, open_storage
+from ..storage import Storage, StorageFault, open_storage
 from ..store import Manifest
 
 from .commits import discard
@@ -33,7 +33,7 @@ TOLERANCES = {
     "frequency_buckets": (1e-9, 1e-12), "moments_merged": (1e-9, 1e-12), "sequence_moments_merged": (1e-9, 1e-12),
     "samples_merged": (0.0, 0.0), "massive_merged": (0.0, 0.0),
     "spectrum": (1e-6, 1e-9), "sequence_eigenvalues": (1e-6, 1e-9), "dim_variance": (1e-6, 1e-9),
-    "layer_metrics": (1e-6, 1e-9),
+    "layer_metrics": (1e-6, 1e-9), "attention_totals": (1e-9, 1e-12), "attention_direction": (1e-6, 1e-9),
 }
 
 
@@ -112,6 +112,8 @@ def check(root, manifest: Manifest) -> list[tuple[str, str]]:
                         problems.append((k, f"{k}: layer counts {got} differ from its partials' {dict(want_n)}"))
                     continue
                 fresh = fold_group(root, model, checkpoint, group, None, members, [], members, dest=tmp)
+            except StorageFault:  # the store failed, not the partial
+                raise
             except UserError as e:  # a damaged partial: reported by the file checks, named here too
                 problems.append((k, f"{k}: cannot be re-merged: {e}"))
                 continue
@@ -125,6 +127,8 @@ def check(root, manifest: Manifest) -> list[tuple[str, str]]:
                     try:
                         why = compare_tables(_table(st, have["files"][table]), _table(tmp, fresh["files"][table]),
                                              table)
+                    except StorageFault:
+                        raise
                     except UserError as e:
                         why = str(e)
                     except Exception as e:  # pyarrow raises several types for a damaged file

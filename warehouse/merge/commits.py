@@ -25,7 +25,7 @@ from common import faults
 from common.errors import UserError
 
 from .. import store
-from ..storage import open_storage
+from ..storage import UncertainWrite, open_storage
 from ..store import Entry, Manifest
 from .coverage import check_disjoint, conflict_line, replacements
 from .fold import fold_group, relabel_group
@@ -156,19 +156,27 @@ def discard(root, entries: list[Entry]) -> None:
     store.release_leases(st, {store.run_of(rel) for e in entries for rel in e["files"].values()})
 
 
-def committed_files(root, entries: list[Entry]) -> set[str]:
-    """The files of those `entries` that the current state lists (their record was created)."""
+def committed_files(root, entries: list[Entry]) -> set[str] | None:
+    """The files of those `entries` that the current state lists (their record was created); None if
+    the state cannot be read now (a store failing): whether it landed is unknown."""
     try:
         live = store.read_manifest(root)["entries"]
-    except Exception:  # unreadable state: treat nothing as committed only if nothing can be read
-        return {f for e in entries for f in e["files"].values()}
+    except Exception:
+        return None
     return {f for e in entries if live.get(e["key"], {}).get("run_id") == e["run_id"] for f in e["files"].values()}
 
 
-def _discard_unless_committed(root, entries: list[Entry]) -> None:
+def _discard_unless_committed(root, entries: list[Entry], exc: BaseException) -> None:
     """After an exception around publishing: remove the entries' new files unless the record that
-    lists them was created (an interrupt while writing the companions comes after it)."""
-    keep = committed_files(root, entries)
+    lists them was created (an interrupt while writing the companions comes after it) or may still
+    be (UncertainWrite: they stay, and their leases go, so that `validate --fix` moves them only once
+    the grace period is over — long after an attempt still in flight could land)."""
+    keep = None if isinstance(exc, UncertainWrite) else committed_files(root, entries)
+    if keep is None:  # landed or not, unknown: every file stays
+        with contextlib.suppress(Exception):  # (a store failing: the leases stay, as after a kill)
+            runs = {store.run_of(rel) for e in entries for rel in e["files"].values()}
+            store.release_leases(open_storage(root), runs)
+        return
     discard(root, [{**e, "files": {t: f for t, f in e["files"].items() if f not in keep}} for e in entries])
 
 
@@ -236,8 +244,8 @@ def commit(root, entries: list[Entry], max_tries: int = 1000, replace: bool = Fa
         try:
             faults.hit("merge")  # merged files written, commit record not yet
             stale = store.publish(root, seq, manifest, entries + merged, remove)
-        except BaseException:
-            _discard_unless_committed(root, merged)
+        except BaseException as exc:
+            _discard_unless_committed(root, merged, exc)
             raise
         if stale is not None:
             return stale
@@ -288,8 +296,8 @@ def fold_pending(root, model: str | None = None, checkpoint: str | None = None, 
         try:
             faults.hit("merge")
             ok = store.publish(root, seq, manifest, merged, [])
-        except BaseException:
-            _discard_unless_committed(root, merged)
+        except BaseException as exc:
+            _discard_unless_committed(root, merged, exc)
             raise
         if ok is not None:
             merged = []
@@ -308,8 +316,8 @@ def publish_retrying(root, make) -> object:
         new = [e for e in entries if e["kind"] == "merged" and not e.get("compacted")]  # files written by make
         try:
             ok = store.publish(root, seq, manifest, entries, remove)
-        except BaseException:
-            _discard_unless_committed(root, new)
+        except BaseException as exc:
+            _discard_unless_committed(root, new, exc)
             raise
         if ok is not None:
             return result

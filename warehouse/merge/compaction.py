@@ -17,12 +17,12 @@ class _Pending(Exception):
 
 
 def compact(root, model: str | None = None, checkpoint: str | None = None) -> dict:
-    """Drop the per-partial vectors (token_sums, moments, samples) and the merge state (token_vectors,
+    """Drop the per-partial vectors (token_sums, moments, samples, attention_sums) and the merge state (token_vectors,
     moments_merged, samples_merged) of the matching checkpoints, keeping every table a view reads.
     Pending partials are folded first (`fold_pending`).  Afterwards the checkpoint is final: a new
     partial of it is refused.  Returns bytes before/after."""
     root = open_storage(root)
-    drop_data = ("token_sums", "moments", "samples", "sequence_moments")
+    drop_data = ("token_sums", "moments", "samples", "sequence_moments", "attention_sums")
     sizes = {}
 
     def make(manifest):

@@ -26,6 +26,7 @@ import pyarrow as pa
 from .. import schema, store
 from ..storage import Storage, open_storage
 from ..store import Entry
+from .fold_attention import fold_attention
 from .fold_tokens import fold_rows, fold_token_state
 from .groups import checked, group_key, inputs_of
 from ..measures import (covariance, cross_covariance, linearity_from_cov, similarities_from_cov, twonn_microscope,
@@ -281,6 +282,7 @@ def fold_group(root, model: str, checkpoint: str, group: str, old: Entry | None,
         derived = _fold_derived(st, old, adds, removes, members, n_layers, out)
         _fold_sequences(st, old, adds, removes, members, n_layers, out)
         _merge_massive(st, old, adds, removes, members, out)
+        fold_attention(st, old, adds, removes, members, out)
         metrics = defaultdict(list)
         for layer in sorted(set(layers) | set(derived["n"])):
             metrics["layer"].append(layer)

@@ -25,7 +25,7 @@ from common.default_warehouse import DEFAULT_WAREHOUSE
 from common.errors import UserError
 
 from .. import merge
-from ..storage import open_storage
+from ..storage import open_storage, retry_policy
 from .checks import PendingPartials, pending_line, verify_listed
 from .readonly import (READ_ONLY_SETTINGS, ReadOnlyConnection, ReadOnlyRelation, check_read_only, listed_paths,
                        read_only)
@@ -74,6 +74,8 @@ def duckdb_error_line(e: Exception) -> str:
     m = re.search(r'No files found that match the pattern "([^"]+)"', text)
     if m:
         return f"{glob_unescaped(m.group(1))}: listed in the manifest but missing (run `python cli.py validate`)"
+    if "AWS Error" in text:  # a scan's S3 read that failed past the retries (or at once: see s3_retry)
+        return f"{text[:300]} (the S3 store kept failing: try again later, or allow more: {retry_policy().settings()})"
     return text[:400]
 
 

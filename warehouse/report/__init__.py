@@ -9,6 +9,7 @@ it needs (otherwise it records a one-line note saying why not), and writes under
 - charts.py         chart helpers and figure templates shared by the figures
 - paper_figures.py  the paper's figures
 - peer_figures.py   the peers' measures as figures
+- attention_figures.py  per-head query/key drift and attention sinks as figures
 - change_figures.py block influence (the layer change) and random-word similarity
 - registry.py       FIGURES: every figure, in the page's order
 - page.py           the files and the HTML page (build_report)

@@ -4,6 +4,7 @@ that returns a `Figure`, drawn or with a line saying why not.
 
 from __future__ import annotations
 
+from .attention_figures import fig_qk_drift_layers, fig_qk_drift_training, fig_sink_layers, fig_sink_rate_training
 from .change_figures import fig_block_influence_layers, fig_block_influence_training, fig_random_word_sim_layers
 from .paper_figures import (fig_avg_intra_layers, fig_avg_intra_training, fig_by_source, fig_heatmap,
                             fig_inter_sim_layers, fig_inter_sim_training, fig_isotropy, fig_isotropy_training,
@@ -25,4 +26,5 @@ FIGURES = [
     fig_massive_layers, fig_massive_training, fig_weight_spectrum, fig_weight_spectrum_training,
     fig_sequence_rank_layers, fig_sequence_rank_training,
     *[f for m in MEASURES[2:] for f in (m.by_layer, m.training)],
+    fig_qk_drift_layers, fig_qk_drift_training, fig_sink_layers, fig_sink_rate_training,
 ]

@@ -14,6 +14,7 @@ needs are made atomic:
 - base.py       the Storage interface (reading is the same for both kinds: pyarrow.fs)
 - local.py      a local directory
 - s3.py         S3 (pyarrow.fs, and boto3 for the conditional PUT), its failures as one line each
+- s3_retry.py   the retry policy of both S3 clients (environment variables) and the failure lines
 - checksums.py  blake2b checksums of stored files, verification against a record, `Checked` reads
 
 This package knows bytes and names only (not tables, not the manifest); warehouse.store builds on it.
@@ -25,12 +26,14 @@ from pathlib import Path
 
 from common.errors import UserError
 
-from .base import Output, Storage
+from .base import Output, Storage, StorageFault, UncertainWrite
 from .checksums import HASH, HASH_CHUNK, Checked, HashingStream, MissingFile, checksum, verify
 from .local import LocalStorage, durable_temp
-from .s3 import S3Storage, describe_s3_error
+from .s3 import S3Storage
+from .s3_retry import RetryPolicy, describe_s3_error, retry_policy
 
-__all__ = ["open_storage", "Storage", "Output", "LocalStorage", "durable_temp", "S3Storage", "describe_s3_error",
+__all__ = ["open_storage", "Storage", "Output", "StorageFault", "UncertainWrite", "LocalStorage", "durable_temp",
+           "S3Storage", "describe_s3_error", "RetryPolicy", "retry_policy",
            "HASH", "HASH_CHUNK", "HashingStream", "checksum", "MissingFile", "verify", "Checked"]
 
 _OPEN: dict[str, Storage] = {}  # one probed S3 storage per URL and process

@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from common.errors import UserError
+
 
 class Storage:
     """A warehouse root.  `rel` arguments are '/'-separated paths below it."""
@@ -108,6 +110,16 @@ class Storage:
     @contextlib.contextmanager
     def _errors(self, rel: str):
         yield
+
+
+class StorageFault(UserError):
+    """The storage failed (after its retries): unreachable, refusing, or failing again and again — a
+    fault of the store, not of the file asked for (a check reports it as such, not as damage)."""
+
+
+class UncertainWrite(StorageFault):
+    """A create-if-absent that failed without a definite answer: an attempt may still land.  Whoever
+    would list files in it keeps them (orphans, which `validate --fix` removes once the grace is over)."""
 
 
 class Output:

@@ -4,14 +4,18 @@ Data files go through pyarrow.fs (one multipart upload that appears only when co
 conditional PUT that create-if-absent needs (`If-None-Match: *`, 412 when the key exists), deletes
 and server-side copies go through boto3.  Endpoint, keys and region come from the standard variables
 AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (AWS_SESSION_TOKEN), AWS_REGION (or
-AWS_DEFAULT_REGION).  Every S3 failure becomes one UserError line: cannot reach the endpoint, no
-such bucket, access denied, or the store's own message.
+AWS_DEFAULT_REGION); both clients retry transient faults by the policy of s3_retry.py.  Every S3
+failure left after the retries becomes one UserError line: cannot reach the endpoint, no such
+bucket, access denied, the store kept failing, or the store's own message.  A conditional PUT whose
+outcome is unknown (its answer lost) is settled by reading the record back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
+import time
 from urllib.parse import urlparse
 
 import pyarrow as pa
@@ -20,7 +24,8 @@ import pyarrow.fs as pafs
 from common import faults
 from common.errors import UserError
 
-from .base import Output, Storage
+from .base import Output, Storage, StorageFault, UncertainWrite
+from .s3_retry import UNRETRIED_READ, describe_s3_error, first_line, is_transient, retry_policy
 
 
 def _env(*names: str) -> str | None:
@@ -38,8 +43,8 @@ class S3Storage(Storage):
         self.bucket, self.prefix = parsed.netloc, parsed.path.strip("/")
         self.endpoint = _env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
         self.region = _env("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1"
-        kwargs = {"region": self.region, "connect_timeout": 10, "request_timeout": 60,
-                  "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=3)}
+        self.policy = retry_policy()
+        kwargs = {"region": self.region, **self.policy.arrow_options()}
         if self.endpoint:
             kwargs["endpoint_override"] = self.endpoint
         key, secret = _env("AWS_ACCESS_KEY_ID"), _env("AWS_SECRET_ACCESS_KEY")
@@ -51,7 +56,7 @@ class S3Storage(Storage):
         try:
             self.fs = pafs.S3FileSystem(**kwargs)
         except (OSError, ValueError, pa.ArrowException) as e:
-            raise UserError(f"{self.url}: cannot set up S3 ({_first_line(e)})") from None
+            raise UserError(f"{self.url}: cannot set up S3 ({first_line(e)})") from None
         self._client = None
         self.probe()
 
@@ -71,6 +76,9 @@ class S3Storage(Storage):
     def uri(self, rel: str) -> str:
         return f"s3://{self.path(rel)}"
 
+    def _fail(self, e: BaseException) -> StorageFault:
+        return StorageFault(describe_s3_error(e, self.url, self.endpoint, self.policy))
+
     @contextlib.contextmanager
     def _errors(self, rel: str):
         try:
@@ -80,17 +88,52 @@ class S3Storage(Storage):
         except (OSError, pa.ArrowException) as e:
             if isinstance(e, FileNotFoundError):
                 raise
-            raise UserError(describe_s3_error(e, self.url, self.endpoint)) from None
+            if UNRETRIED_READ in str(e):
+                raise _UnretriedRead(describe_s3_error(e, self.url, self.endpoint, self.policy)) from None
+            if isinstance(e, OSError):
+                raise self._fail(e) from None
+            raise UserError(describe_s3_error(e, self.url, self.endpoint, self.policy)) from None  # e.g. not Parquet
+
+    def _again(self, read):
+        """read() once more, with backoff, each time pyarrow gave up at once on a fault its SDK does not
+        retry (a 5xx whose error body is larger than the buffer of a small ranged read): the policy's
+        attempts in all, as the SDK would have made."""
+        for attempt in range(1, self.policy.max_attempts + 1):
+            try:
+                return read()
+            except _UnretriedRead:
+                if attempt == self.policy.max_attempts:
+                    raise
+            time.sleep(random.random() * min(2.0 ** (attempt - 1), 20.0))
+
+    def read_bytes(self, rel: str, limit: int = -1) -> bytes:
+        return self._again(lambda: super(S3Storage, self).read_bytes(rel, limit))
+
+    def exists(self, rel: str) -> bool:
+        return self._again(lambda: super(S3Storage, self).exists(rel))
+
+    def size(self, rel: str) -> int:
+        return self._again(lambda: super(S3Storage, self).size(rel))
+
+    def list_infos(self, prefix: str) -> list[tuple[str, int, float]]:
+        return self._again(lambda: super(S3Storage, self).list_infos(prefix))
+
+    def parquet_file(self, rel: str, **kwargs):
+        return self._again(lambda: super(S3Storage, self).parquet_file(rel, **kwargs))
+
+    def read_table(self, rel: str, columns=None, filters=None) -> pa.Table:
+        return self._again(lambda: super(S3Storage, self).read_table(rel, columns, filters))
+
+    def read_schema(self, rel: str) -> pa.Schema:
+        return self._again(lambda: super(S3Storage, self).read_schema(rel))
 
     def _s3(self):
-        """boto3 client for the one call pyarrow.fs lacks (conditional PUT)."""
+        """boto3 client for what pyarrow.fs lacks (conditional PUT, delete without a directory marker, copy)."""
         if self._client is None:
             import boto3
-            from botocore.config import Config
 
             self._client = boto3.session.Session(**self._keys).client(  # a session of its own, not boto3's default
-                "s3", endpoint_url=self.endpoint, region_name=self.region,
-                config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=60))
+                "s3", endpoint_url=self.endpoint, region_name=self.region, config=self.policy.boto_config())
         return self._client
 
     def replace(self, rel: str, data: bytes) -> None:
@@ -100,9 +143,8 @@ class S3Storage(Storage):
     def create_if_absent(self, rel: str, data: bytes) -> bool:
         import botocore.exceptions as bx
 
-        key = self._key(rel)
         try:
-            self._s3().put_object(Bucket=self.bucket, Key=key, Body=data, IfNoneMatch="*")
+            self._s3().put_object(Bucket=self.bucket, Key=self._key(rel), Body=data, IfNoneMatch="*")
             return True
         except bx.ClientError as e:
             code = e.response.get("Error", {}).get("Code", "")
@@ -112,9 +154,27 @@ class S3Storage(Storage):
                 return self.read_bytes(rel) == data
             if code == "ConditionalRequestConflict" or status == 409:  # a concurrent conditional PUT
                 return self.exists(rel) and self.read_bytes(rel) == data
-            raise UserError(describe_s3_error(e, self.url, self.endpoint)) from None
+            if not is_transient(e):
+                raise self._fail(e) from None
+            return self._settle(rel, data, e)
+        except (bx.ConnectionError, bx.HTTPClientError) as e:  # sent or not, answered or not: unknown
+            return self._settle(rel, data, e)
         except (bx.BotoCoreError, OSError) as e:
-            raise UserError(describe_s3_error(e, self.url, self.endpoint)) from None
+            raise self._fail(e) from None
+
+    def _settle(self, rel: str, data: bytes, e: BaseException) -> bool:
+        """After a conditional PUT failed without a definite answer (its response lost, a 5xx, a timeout
+        — possibly after an earlier attempt was stored): the object as the store now has it decides.
+        Ours: created (True); another writer's: lost the race (False); none: the PUT failed, though an
+        attempt still in flight might yet land (UncertainWrite: the caller keeps what it would list)."""
+        try:
+            return self.read_bytes(rel) == data
+        except FileNotFoundError:
+            raise UncertainWrite(describe_s3_error(e, self.url, self.endpoint, self.policy)) from None
+        except UserError as again:
+            raise UncertainWrite(f"{describe_s3_error(e, self.url, self.endpoint, self.policy)}; reading "
+                                 f"{rel} back failed too ({again}), so whether it was written is unknown "
+                                 "(`cli.py validate` tells)") from None
 
     def delete(self, rel: str) -> None:
         # boto3, not fs.delete_file: pyarrow leaves an empty "directory" object for the parent
@@ -123,7 +183,7 @@ class S3Storage(Storage):
         try:
             self._s3().delete_object(Bucket=self.bucket, Key=self._key(rel))  # no error if absent
         except (bx.BotoCoreError, bx.ClientError) as e:
-            raise UserError(describe_s3_error(e, self.url, self.endpoint)) from None
+            raise self._fail(e) from None
 
     def output(self, rel: str) -> Output:
         with self._errors(rel):
@@ -135,9 +195,13 @@ class S3Storage(Storage):
         try:  # managed copy: CopyObject, or UploadPartCopy above its 5 GB limit (server side either way)
             self._s3().copy({"Bucket": self.bucket, "Key": self._key(rel)}, self.bucket, self._key(dest))
         except (bx.BotoCoreError, bx.ClientError) as e:
-            raise UserError(describe_s3_error(e, self.url, self.endpoint)) from None
+            raise self._fail(e) from None
         faults.hit("move")  # copied, not yet deleted: a kill leaves both (the original is moved again)
         self.delete(rel)
+
+
+class _UnretriedRead(StorageFault):
+    """A read that pyarrow's SDK failed without retrying (S3Storage retries it)."""
 
 
 class _S3Output(Output):
@@ -157,26 +221,3 @@ class _S3Output(Output):
             self.stream.close()
         with contextlib.suppress(Exception):
             self.storage.delete(self.rel)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:300]
-
-
-def describe_s3_error(e: BaseException, url: str, endpoint: str | None) -> str:
-    """One line for an S3 failure: what went wrong and which setting to look at."""
-    text = str(e)
-    where = endpoint or "the AWS default endpoint"
-    if any(s in text for s in ("NETWORK_CONNECTION", "curlCode", "Could not connect", "EndpointConnectionError",
-                               "Could not connect to the endpoint", "Connect timeout")) or \
-            type(e).__name__ in ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError"):
-        return f"{url}: cannot reach the S3 endpoint {where} (check AWS_ENDPOINT_URL and the network)"
-    if any(s in text for s in ("INVALID_ACCESS_KEY_ID", "InvalidAccessKeyId", "SIGNATURE_DOES_NOT_MATCH",
-                               "SignatureDoesNotMatch", "ACCESS_DENIED", "AccessDenied", "Forbidden",
-                               "NoCredentialsError", "Unable to locate credentials")) or \
-            type(e).__name__ == "NoCredentialsError":
-        return f"{url}: access denied by {where} (check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
-    if "NoSuchBucket" in text or "NO_SUCH_BUCKET" in text:
-        return f"{url}: the bucket does not exist (create it first)"
-    return f"{url}: S3 error: {_first_line(e)}"

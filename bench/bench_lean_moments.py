@@ -1,0 +1,107 @@
+"""Benchmark: the bf16 moments' cost per layer and batch (`Moments.add`, precision "bfloat16"), the
+lean path (the Gram matrix's upper triangle by panels; centred hi + lo rows as products of views)
+against the full products it replaced (hᵀh over d²; the four part pairs stacked into one product of
+4× the rows), on three kinds of rows: random (a small mean: raw rows), mean-dominated (‖μ‖²/tr C ≫ 1,
+a trained model's typical layer: centred and split) and a few massive dimensions (split by
+max μ_i²/max C_ii).  Also each kind's covariance error against float64 products of the same rows.
+
+    python bench/bench_lean_moments.py                          # CPU: d 512, 4,096 rows
+    python bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from extract.accumulate.matmul import mm_bf16, mm_out_dtype  # noqa: E402
+from extract.accumulate.moments import Moments  # noqa: E402
+
+
+def rows(kind: str, M: int, d: int, device: str, seed: int = 0) -> torch.Tensor:
+    """(M, d) bf16 rows: "random" (mean 0.3 σ), "mean" (every dimension's mean 4 σ), "massive"
+    (one dimension with mean 9, σ 1 — max μ_i²/max C_ii ≈ 81 while ‖μ‖²/tr C < 1 —; elsewhere as
+    "random")."""
+    g = torch.Generator().manual_seed(seed)
+    sig = torch.logspace(0, -1, d)
+    mu = torch.randn(d, generator=g) * 0.3 * sig
+    if kind == "mean":
+        mu = 4 * sig
+    elif kind == "massive":
+        mu[0] = 9.0
+    return (mu + torch.randn(M, d, generator=g) * sig).bfloat16().to(device)
+
+
+def full_products(h: torch.Tensor, S: torch.Tensor, split: bool, c: torch.Tensor, out: bool) -> None:
+    """The replaced arithmetic: the full d² product (raw), or the four part pairs stacked along the
+    rows into one product (split), folded into S whole."""
+    if not split:
+        S += mm_bf16(h.T, h, out)
+        return
+    x = h.float() - c
+    hi = x.bfloat16()
+    lo = (x - hi.float()).bfloat16()
+    left = torch.cat([hi, hi, lo, lo])
+    right = torch.cat([hi, lo, hi, lo])
+    S += mm_bf16(left.T, right, out)
+
+
+def timed(fn, sync, repeats: int, clock) -> float:
+    fn()
+    sync()
+    t0 = clock()
+    for _ in range(repeats):
+        fn()
+    sync()
+    return (clock() - t0) / repeats * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    dev = args.device
+    cuda = dev.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    clock = time.perf_counter if cuda else time.process_time  # a CPU's: CPU seconds (a loaded machine)
+    out = cuda and mm_out_dtype(torch.device(dev))
+    M, d = args.rows, args.d
+    ok = torch.ones(M, dtype=torch.bool, device=dev)
+    print(f"torch {torch.__version__}, {dev} ({torch.cuda.get_device_name() if cuda else 'CPU'}), threads "
+          f"{torch.get_num_threads()}, {M} rows × d {d} per layer and batch, mean of {args.repeats} ({'wall' if cuda else 'CPU'} ms); load "
+          f"{' '.join(open('/proc/loadavg').read().split()[:3]) if Path('/proc/loadavg').exists() else '?'}")
+    print(f"{'rows':8} {'path':36} {'lean ms':>8} {'full ms':>8} {'ratio':>6} {'cov err/max|C|':>15}")
+    for kind in ("random", "mean", "massive"):
+        h = rows(kind, M, d, dev)
+        lean = Moments(1, d, dev, cross=False, precision="bfloat16", background=False)
+        lean.add(0, h, ok)  # decides raw or split
+        split = bool(lean._split[0])
+        c = lean._c[0]
+        t_lean = timed(lambda: lean.add(0, h, ok), sync, args.repeats, clock)
+        S = torch.zeros(d, d, dtype=torch.float64, device=dev)
+        t_full = timed(lambda: full_products(h, S, split, c, out), sync, args.repeats, clock)
+        exact = Moments(1, d, "cpu", cross=False, precision="float64", background=False)
+        exact.add(0, h.cpu(), ok.cpu())
+        check = Moments(1, d, dev, cross=False, precision="bfloat16", background=False)
+        check.add(0, h, ok)
+        n = float(exact.n[0])
+        mean = exact.s1[0].numpy() / n
+        C64 = exact.s2(0) / n - np.outer(mean, mean)
+        err = np.abs(check.s2(0) / n - np.outer(mean, mean) - C64).max() / np.abs(C64).max()
+        path = (f"split (ratio {lean._ratio[0]:.3g}, dim {lean._dim_ratio[0]:.3g})" if split else
+                f"raw (ratio {lean._ratio[0]:.3g}, dim {lean._dim_ratio[0]:.3g})")
+        print(f"{kind:8} {path:36} {t_lean:8.2f} {t_full:8.2f} {t_lean / t_full:6.2f} {err:15.2e}")
+
+
+if __name__ == "__main__":
+    main()

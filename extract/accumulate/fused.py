@@ -1,0 +1,179 @@
+"""The token-sum pass of one layer on a GPU as four Triton kernels (`layer`), every float64 sum
+formed in registers: no (M, d) float64 tensor, no float64 atomics on hot addresses, no eager
+kernels between them.  On a CPU the same kernels run in Triton's interpreter (tests).
+
+Per batch, on the host (`plan`): the counted positions sorted by their slot (a stable argsort), so
+each token type's rows are one run; each position's row in the batch's counted rows (`dest`).
+Per layer, over h (B, T, d) in its own dtype:
+
+1. `norms_kernel` (per position, over d): ‖h‖ in float64 (squares of the stored values, exact), its
+   inverse where the position is counted, finite and non-zero (else 0), and the layer's
+   NaN/inf and zero vectors counted;
+2. `windows_kernel` (per window and column block, over T): Σh, Σû, Σû² per window, the vectors counted
+   per window, and — for the moments — the counted rows with the excluded ones zeroed, in h's dtype,
+   and which are ok;
+3. `slots_kernel` (per block of R slot-sorted rows and column block): û of each row, summed per run in
+   registers (an (R, R) 0/1 matrix of the block's runs times the rows: a float64 `tl.dot`, each product
+   exact); a run that begins and ends inside the block is added to its slot's
+   float64 sums and int64 count with one plain read-modify-write (the block owns it); a run that
+   crosses a block's edge (a frequent type) with one atomic add per block;
+4. `epilogue_kernel` (per column block over windows, per block of windows over d): Σh and Σû² of the
+   layer (also Σh and n for the moments), each window's mean cosine to its mean (windows with ≥ 2
+   vectors), and the counts of step 1, added into the layer's sums.
+
+h is read three times (steps 1–3; 3·B·T·d elements in its dtype, all streaming) and the moments'
+rows written once; the token table is touched once per (distinct type, column) and row block.
+The float64 sums are the eager path's to the order of additions (~1e-16 relative): the
+float64 reference test is tests/test_gpu_path.py.  Sums of runs that cross blocks and of the window
+cosines are atomic adds: their order, and so their last bits, vary from run to run (as the
+compiled step's scatter-adds do).
+
+Two more per-layer terms slot in without another pass: per row, the change from the previous layer
+(‖a − û‖, ‖a + û‖ with a the previous layer's û) is a second loop over d in `norms_kernel` reading the
+previous layer's row and inverse norm; per window, the mean unit vector ū = Σû / n is `epilogue_kernel`'s
+(its Σ_w ū per column block, Σ_w ‖ū‖² beside the window cosines).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+ENV = "ISO_TRITON"  # off: the compiled step instead of these kernels on a GPU
+
+# The per-layer sums of a `TokenSums` (`layer_sums`) these kernels add to, besides the token table: an
+# accumulator that holds any other takes the compiled step instead (`TokenSums.set_batch`)
+FILLS = frozenset({"nonfinite", "zero", "sum_h", "sum_u2", "windows", "window_cos"})
+
+
+def enabled() -> bool:
+    """Whether these kernels are wanted where they can run ($ISO_TRITON is not `off`) and can run."""
+    return os.environ.get(ENV, "").strip().lower() != "off" and available()
+
+
+def available() -> bool:
+    """Whether Triton can be imported here."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class Plan:
+    """One batch's layout for the kernels (device tensors, host sizes)."""
+    B: int
+    T: int
+    M: int
+    dest: torch.Tensor  # (B·T,) int64: each position's row among the counted rows, −1 if not counted
+    order: torch.Tensor  # (M,) int64: the counted positions sorted by slot (stable)
+    slots: torch.Tensor  # (M,) int64: their slots, ascending
+    scratch: torch.Tensor  # (L, 3) int64 zeros: per layer NaN/inf vectors, zero vectors, vectors counted
+
+
+def plan(sel: np.ndarray, slots: np.ndarray, B: int, T: int, n_layers: int, to_device) -> Plan:
+    """The batch's `Plan` from the counted flat positions `sel` (M,) and their `slots` (M,);
+    `to_device(array)` copies a host array to the device (asynchronously)."""
+    order = np.argsort(slots, kind="stable")
+    dest = np.full(B * T, -1, dtype=np.int64)
+    dest[sel] = np.arange(len(sel), dtype=np.int64)
+    scratch = torch.zeros(n_layers, 3, dtype=torch.int64)
+    return Plan(B, T, len(sel), to_device(dest), to_device(np.ascontiguousarray(sel[order], dtype=np.int64)),
+                to_device(np.ascontiguousarray(slots[order], dtype=np.int64)), to_device(scratch))
+
+
+@dataclass
+class LayerOut:
+    """What a layer's kernels hand on: the moments' inputs (device tensors, no sync)."""
+    rows: torch.Tensor | None  # (M, d) the counted rows in h's dtype, excluded ones zeroed (None: not asked)
+    ok: torch.Tensor  # (M,) bool: counted, finite and non-zero
+    s: torch.Tensor  # (d,) float64 Σh over the counted rows
+    n: torch.Tensor  # () int64 vectors counted
+
+
+def kernels(interpret: bool):
+    """The four kernels: compiled for the GPU, or run by Triton's interpreter on CPU tensors — which
+    needs TRITON_INTERPRET=1 in the environment before Triton is first imported (its own library
+    functions are built for one or the other then; tests/conftest.py sets it where there is no GPU)."""
+    import triton
+
+    if bool(triton.knobs.runtime.interpret) != interpret:
+        raise RuntimeError("Triton's interpreter is " + ("off: rows on the CPU need TRITON_INTERPRET=1 before "
+                                                          "Triton is imported" if interpret else "on (TRITON_INTERPRET)"))
+    from . import triton_kernels as k
+
+    return k.norms_kernel, k.windows_kernel, k.slots_kernel, k.epilogue_kernel
+
+
+BLOCK_P, BLOCK_T, ROWS, BLOCK_D, BLOCK_B = 16, 32, 32, 64, 32
+
+
+def layer(p: Plan, layer_index: int, hidden: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor,
+          sum_h: torch.Tensor, sum_u2: torch.Tensor, nonfinite: torch.Tensor, zero: torch.Tensor,
+          windows: torch.Tensor, window_cos: torch.Tensor, rows: bool) -> LayerOut:
+    """One layer of one batch: hidden (B, T, d) in any float dtype; the layer's token table `sums`
+    (U, d) float64 and `counts` (U,) int64, its Σh, Σû² (d,) float64, and (1,) each: NaN/inf
+    vectors, zero vectors, windows with ≥ 2 vectors (int64) and Σ window cosines (float64) — all
+    added to in place.  `rows`: also the counted rows for the moments.  Launches four kernels, no sync."""
+    _norms, _windows, _slots, _epilogue = kernels(hidden.device.type != "cuda")
+    B, T, d = hidden.shape
+    flat = hidden.reshape(B * T, d)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    dev, P = hidden.device, B * T
+    counts3 = p.scratch[layer_index]  # (3,) this layer's NaN/inf, zero and counted vectors
+    inv = torch.empty(P, dtype=torch.float64, device=dev)
+    m = torch.empty(B, d, dtype=torch.float64, device=dev)
+    u = torch.empty(B, d, dtype=torch.float64, device=dev)
+    u2 = torch.empty(B, d, dtype=torch.float64, device=dev)
+    nw = torch.empty(B, dtype=torch.int64, device=dev)
+    s = torch.empty(d, dtype=torch.float64, device=dev)
+    out_rows = torch.empty(p.M if rows else 0, d, dtype=hidden.dtype, device=dev)
+    ok = torch.empty(p.M if rows else 0, dtype=torch.int8, device=dev)
+    ncol = triton_cdiv(d, BLOCK_D)
+    launches = (
+        (_norms, (triton_cdiv(P, BLOCK_P),), (flat, flat.stride(0), p.dest, inv, counts3, P, d),
+         dict(BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D)),
+        (_windows, (B, ncol), (flat, flat.stride(0), inv, p.dest, out_rows, ok, m, u, u2, nw, T, d),
+         dict(WRITE=rows, T_TILES=pow2(triton_cdiv(T, BLOCK_T)), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)),
+        (_slots, (triton_cdiv(max(p.M, 1), ROWS), ncol), (flat, flat.stride(0), inv, p.order, p.slots, sums, counts,
+                                                          p.M, d), dict(R=ROWS, BLOCK_D=BLOCK_D, DOT=SLOTS_DOT[0])),
+        (_epilogue, (ncol + triton_cdiv(B, BLOCK_B),), (m, u, u2, nw, B, d, s, counts3, sum_h, sum_u2, nonfinite,
+                                                        zero, windows, window_cos),
+         dict(N_COLS=ncol, B_TILES=pow2(triton_cdiv(B, BLOCK_B)), BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D)),
+    )
+    key = (dev.type, hidden.dtype, rows, d)
+    if key not in _WARM and dev.type == "cuda":  # every kernel compiled before any writes: a compile
+        for fn, grid, args, consts in launches:  # that fails leaves the sums untouched (the caller falls back)
+            try:
+                fn.warmup(*args, grid=grid, **consts)
+            except Exception:  # noqa: BLE001 — float64 tl.dot missing here: the broadcast sum instead
+                if fn is not _slots or not consts["DOT"]:
+                    raise
+                SLOTS_DOT[0] = consts["DOT"] = False
+                fn.warmup(*args, grid=grid, **consts)
+    _WARM.add(key)
+    for fn, grid, args, consts in launches:
+        if fn is _slots and not p.M:
+            continue
+        fn[grid](*args, **consts)
+    return LayerOut(out_rows if rows else None, ok.view(torch.bool), s, counts3[2])
+
+
+_WARM: set = set()  # (device type, dtype, rows, d) whose kernels are compiled
+SLOTS_DOT = [True]  # each run's total by a float64 tl.dot (else a broadcast sum: more registers)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """The least power of 2 ≥ n (≥ 1): loop lengths compiled in, a handful of variants in all."""
+    return 1 << max(n - 1, 0).bit_length()

@@ -1,0 +1,146 @@
+"""The Triton kernels of fused.py (its docstring says what each one does and why), imported by it
+on first use.  Under TRITON_INTERPRET=1 (set before Triton is imported) they run in Triton's
+interpreter on CPU tensors: that is how the tests run them without a GPU."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["P", "stride"])
+def norms_kernel(h, stride, dest, inv, counts, P, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # (BLOCK_P,) positions
+    pm = p < P
+    row = p.to(tl.int64) * stride
+    acc = tl.zeros([BLOCK_P], dtype=tl.float64)
+    for d0 in range(0, D, BLOCK_D):
+        c = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(h + row[:, None] + c[None, :], mask=pm[:, None] & (c[None, :] < D), other=0.0)
+        x = x.to(tl.float64)
+        acc += tl.sum(x * x, axis=1)
+    norm = tl.sqrt(acc)
+    counted = pm & (tl.load(dest + p, mask=pm, other=-1) >= 0)
+    finite = (norm - norm) == 0.0  # False for NaN and inf
+    ok = counted & finite & (norm > 0.0)
+    tl.store(inv + p, tl.where(ok, 1.0 / tl.where(ok, norm, 1.0), 0.0), mask=pm)
+    tl.atomic_add(counts, tl.sum((counted & ~finite).to(tl.int64), axis=0))
+    tl.atomic_add(counts + 1, tl.sum((counted & finite & (norm == 0.0)).to(tl.int64), axis=0))
+
+
+@triton.jit(do_not_specialize=["T", "stride"])
+def windows_kernel(h, stride, inv, dest, rows, ok_rows, m, u, u2, nw, T, D: tl.constexpr, WRITE: tl.constexpr,
+                   T_TILES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    c = j * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = c < D
+    am = tl.zeros([BLOCK_D], dtype=tl.float64)
+    au = tl.zeros([BLOCK_D], dtype=tl.float64)
+    a2 = tl.zeros([BLOCK_D], dtype=tl.float64)
+    n = tl.zeros([BLOCK_T], dtype=tl.int64)
+    for k in range(T_TILES):  # a power of 2 ≥ T / BLOCK_T: a few compiled variants whatever T is
+        t = k * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < T
+        p = b.to(tl.int64) * T + t
+        iv = tl.load(inv + p, mask=tm, other=0.0)
+        ok = iv > 0.0
+        x = tl.load(h + p[:, None] * stride + c[None, :], mask=tm[:, None] & cm[None, :], other=0.0)
+        hm = tl.where(ok[:, None], x.to(tl.float64), 0.0)
+        xu = hm * iv[:, None]
+        am += tl.sum(hm, axis=0)
+        au += tl.sum(xu, axis=0)
+        a2 += tl.sum(xu * xu, axis=0)
+        n += ok.to(tl.int64)
+        if WRITE:
+            dd = tl.load(dest + p, mask=tm, other=-1)
+            wm = dd >= 0
+            tl.store(rows + dd[:, None] * D + c[None, :], tl.where(ok[:, None], x, 0.0),
+                     mask=wm[:, None] & cm[None, :])
+            if j == 0:
+                tl.store(ok_rows + dd, ok.to(tl.int8), mask=wm)
+    out = b.to(tl.int64) * D + c
+    tl.store(m + out, am, mask=cm)
+    tl.store(u + out, au, mask=cm)
+    tl.store(u2 + out, a2, mask=cm)
+    if j == 0:
+        tl.store(nw + b, tl.sum(n, axis=0))
+
+
+@triton.jit(do_not_specialize=["M", "stride"])
+def slots_kernel(h, stride, inv, order, slot, sums, counts, M, D: tl.constexpr, R: tl.constexpr,
+                 BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+    i = tl.arange(0, R)
+    r = tl.program_id(0) * R + i  # (R,) rows of the slot-sorted order
+    j = tl.program_id(1)
+    rm = r < M
+    s = tl.load(slot + r, mask=rm, other=-1)
+    start = s != tl.load(slot + r - 1, mask=rm & (r > 0), other=-2)  # a run's first row
+    end = s != tl.load(slot + r + 1, mask=(r + 1) < M, other=-3)  # a run's last row
+    first = start | (i == 0)  # a run's first row in this block
+    last = rm & (end | (i == R - 1))  # a run's last row in this block: where its sum is added
+    run = tl.cumsum(first.to(tl.int32), axis=0)  # (R,) which run of the block each row is in
+    same = run[:, None] == run[None, :]  # (R, R) rows of one run
+    began = tl.sum(tl.where(same & (first & start)[None, :], 1, 0), axis=1) > 0  # the run began in this block
+    own = last & end & began  # the whole run is in this block: no other program touches it
+    shared = last & ~own
+    pos = tl.load(order + r, mask=rm, other=0)
+    iv = tl.load(inv + pos, mask=rm, other=0.0)
+    ok = iv > 0.0
+    c = j * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = c < D
+    x = tl.load(h + pos[:, None] * stride + c[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+    x = tl.where(ok[:, None], x.to(tl.float64) * iv[:, None], 0.0)  # (R, BLOCK_D) û
+    if DOT:  # each row's run total: (R, R) 0/1 times the rows, float64 products exact (× 1 or 0)
+        v = tl.dot(tl.where(same, 1.0, 0.0).to(tl.float64), x)
+    else:
+        v = tl.sum(tl.where(same[:, :, None], x[None, :, :], 0.0), axis=1)
+    ptr = sums + s[:, None].to(tl.int64) * D + c[None, :]
+    mo = own[:, None] & cm[None, :]
+    tl.store(ptr, tl.load(ptr, mask=mo, other=0.0) + v, mask=mo)
+    tl.atomic_add(ptr, v, mask=shared[:, None] & cm[None, :])
+    if j == 0:
+        k = tl.sum(tl.where(same & ok[None, :], 1, 0).to(tl.int64), axis=1)  # (R,) vectors counted per run
+        tl.store(counts + s, tl.load(counts + s, mask=own, other=0) + k, mask=own)
+        tl.atomic_add(counts + s, k, mask=shared)
+
+
+@triton.jit(do_not_specialize=["B"])
+def epilogue_kernel(m, u, u2, nw, B, D: tl.constexpr, s_out, counts, sum_h, sum_u2, nonfinite, zero, windows,
+                    window_cos, N_COLS: tl.constexpr, B_TILES: tl.constexpr, BLOCK_B: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid < N_COLS:  # a column block: sums over the windows
+        c = pid * BLOCK_D + tl.arange(0, BLOCK_D)
+        cm = c < D
+        a = tl.zeros([BLOCK_D], dtype=tl.float64)
+        a2 = tl.zeros([BLOCK_D], dtype=tl.float64)
+        for k in range(B_TILES):  # a power of 2 ≥ B / BLOCK_B
+            bb = k * BLOCK_B + tl.arange(0, BLOCK_B)
+            at = bb[:, None].to(tl.int64) * D + c[None, :]
+            mk = (bb[:, None] < B) & cm[None, :]
+            a += tl.sum(tl.load(m + at, mask=mk, other=0.0), axis=0)
+            a2 += tl.sum(tl.load(u2 + at, mask=mk, other=0.0), axis=0)
+        tl.store(s_out + c, a, mask=cm)
+        tl.store(sum_h + c, tl.load(sum_h + c, mask=cm, other=0.0) + a, mask=cm)
+        tl.store(sum_u2 + c, tl.load(sum_u2 + c, mask=cm, other=0.0) + a2, mask=cm)
+        if pid == 0:  # the counts of `norms_kernel`, and the vectors counted (for the moments)
+            tl.atomic_add(nonfinite, tl.load(counts))
+            tl.atomic_add(zero, tl.load(counts + 1))
+    else:  # a block of windows: each one's mean cosine to its mean, over d
+        bb = (pid - N_COLS) * BLOCK_B + tl.arange(0, BLOCK_B)
+        bm = bb < B
+        nm2 = tl.zeros([BLOCK_B], dtype=tl.float64)
+        dot = tl.zeros([BLOCK_B], dtype=tl.float64)
+        for d0 in range(0, D, BLOCK_D):
+            c = d0 + tl.arange(0, BLOCK_D)
+            at = bb[:, None].to(tl.int64) * D + c[None, :]
+            mk = bm[:, None] & (c[None, :] < D)
+            mt = tl.load(m + at, mask=mk, other=0.0)
+            nm2 += tl.sum(mt * mt, axis=1)
+            dot += tl.sum(tl.load(u + at, mask=mk, other=0.0) * mt, axis=1)
+        n = tl.load(nw + bb, mask=bm, other=0)
+        norm = tl.sqrt(nm2)
+        valid = bm & (n >= 2) & (norm > 0.0)
+        den = tl.maximum(norm * n.to(tl.float64), 1e-300)
+        tl.atomic_add(window_cos, tl.sum(tl.where(valid, dot / den, 0.0), axis=0))
+        tl.atomic_add(windows, tl.sum(valid.to(tl.int64), axis=0))
+        tl.atomic_add(counts + 2, tl.sum(n, axis=0))
