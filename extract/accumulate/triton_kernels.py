@@ -127,8 +127,8 @@ def slots_kernel(h, stride, inv, order, slot, sums, counts, M, D: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["B"])
 def epilogue_kernel(m, u, u2, nw, B, D: tl.constexpr, s_out, counts, sum_h, sum_u2, nonfinite, zero, windows,
-                    window_cos, unit_windows, sum_ubar, sum_ubar_sq, N_COLS: tl.constexpr, B_TILES: tl.constexpr, BLOCK_B: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    window_cos, unit_windows, sum_ubar, sum_ubar_sq, N_COLS: tl.constexpr, B_TILES: tl.constexpr,
+                    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     if pid < N_COLS:  # a column block: sums over the windows
         c = pid * BLOCK_D + tl.arange(0, BLOCK_D)
