@@ -10,10 +10,11 @@ a GPU.  Under a budget, rows are evicted down the tiers device table → host ta
 (tables.py, spill.py); `layer_rows` merges them back per token-id range, reading each spilled byte
 once.
 
-**The hot path** (`add`, per layer and batch) takes one of three forms, the same sums: on a GPU the
-compiled `layer_step` (kernels.py); on a CPU `_add_chunked`, the eager arithmetic CHUNK rows at a
-time on one float64 copy of each chunk (bit-identical to the general path, less memory traffic);
-else the general eager path (a GPU without the compiler, `--sample`, or an accumulator on another
+**The hot path** (`add`, per layer and batch) takes one of four forms, the same sums: on a GPU
+fused.py's Triton kernels (every per-layer sum of the default pass), else (--sequences, $ISO_TRITON
+off, or where Triton fails) the compiled `layer_step` (kernels.py); on a CPU `_add_chunked`, the
+eager arithmetic CHUNK rows at a time on one float64 copy of each chunk (bit-identical to the general
+path, less memory traffic); else the general eager path (a GPU without the compiler, `--sample`, or an accumulator on another
 device than the model, where a per-batch partial over the batch's distinct tokens is summed on the
 model's device first and folded in).
 
