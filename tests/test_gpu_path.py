@@ -641,18 +641,22 @@ def test_a_massive_dimension_centres_a_layer_whose_trace_ratio_is_small():
 def test_the_triton_layer_change_and_unit_means_equal_their_float64_definition():
     """The layer change and the windows' mean unit vectors the kernels add, against their definition in
     float64 numpy on the same bf16 rows: per pair of consecutive layers, over the positions counted,
-    finite and non-zero at both, n, Σ cos(a, b) and Σ arccos(cos)/π of the unit vectors (angles away
-    from 0 and π here, where arccos is accurate); per window with ≥ 1 such vector, ū = mean û, Σ ū
-    and Σ ‖ū‖².  NaN, zero and padded positions included; 3 layers (two changes)."""
+    finite and non-zero at both, n, Σ cos(a, b) and Σ arccos(cos)/π of the unit vectors (random
+    angles, where arccos is accurate, and one opposite row, θ = π); per window with ≥ 1 such vector, ū = mean û, Σ ū
+    and Σ ‖ū‖².  NaN, inf, zero and padded positions included, some at one layer only; 3 layers (two
+    changes)."""
     L, V, d = 3, 20, 24
     gen = torch.Generator().manual_seed(5)
     tri = TokenSums(L, V, d, TRITON_DEVICE, triton=True)
     ids, counted, hidden = _batch(3, 7, V, d, gen)
     layers = [(hidden * (layer + 1)).roll(layer, -1) for layer in range(L)]
     layers[2][1, 2] = -layers[1][1, 2]  # an opposite row (θ = π): ‖a + b‖ from the float64 sums
+    layers[0][1, 5] = 0.0  # excluded at one layer of a pair only: out of that pair, in the next one
+    layers[1][2, 3, 0] = float("inf")
     tri.set_batch(ids, counted)
-    for layer in range(L):
-        tri.add(layer, layers[layer].to(tri.device))
+    with np.errstate(invalid="ignore"):  # the interpreter's numpy on the inf row (inf − inf, inf · 0: excluded)
+        for layer in range(L):
+            tri.add(layer, layers[layer].to(tri.device))
     assert tri.paths["layer_step"] == "triton" and tri._triton_once
     units, oks = [], []
     for h in layers:
