@@ -107,9 +107,8 @@ def main() -> None:
     ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                     help="compiled layer step (default: on for cuda)")
     ap.add_argument("--triton", action=argparse.BooleanOptionalAction, default=None,
-                    help="the Triton token-sum kernels (extract/accumulate/fused.py): --triton drops the per-layer sums "
-                         "they do not add (the layer change, the windows' mean unit vectors), so that they run; "
-                         "default: as extract (the compiled step while those sums are kept)")
+                    help="the Triton token-sum kernels (extract/accumulate/fused.py), which add every sum of the "
+                         "default pass; --no-triton: the compiled step instead; default: as extract (on for cuda)")
     ap.add_argument("--split-all", action="store_true",
                     help="bf16 moments: every layer's rows centred and split into hi + lo (a trained model's "
                          "mean-dominated layers; random weights take the raw rows)")
@@ -167,7 +166,7 @@ def main() -> None:
             from extract.accumulate import fused as fused_kernels
 
             for name in set(acc.layer_sums()) - fused_kernels.FILLS:
-                delattr(acc, name)  # sums the kernels do not add: dropped, so that the kernels run
+                delattr(acc, name)  # sums the kernels do not add (none by default): dropped, so that they run
         if args.moments_precision is None:
             args.moments_precision = ("bfloat16" if args.device.startswith("cuda") and args.dtype == "bfloat16"
                                       else "float32")

@@ -7,9 +7,10 @@
 #   env        the GPU, torch and Triton versions; carried wheels (.whl/: duckdb, zstandard, pysbd) installed
 #              where the machine lacks them (no package index needed)
 #   p14        Pythia-1.4B shape (d 2,048, 24 blocks, V 50,304; 8 × 2,048 tokens, random bf16 weights): bare
-#              forward against the default pass (the compiled step + bf16 moments), interleaved batch by
-#              batch; one batch's top kernels; the sums checked against the eager path and float64 moments
-#   p14-triton the same with the Triton token-sum kernels (--triton: without the per-layer sums they lack)
+#              forward against the default pass (the Triton token-sum kernels, --triton, + bf16 moments),
+#              interleaved batch by batch; one batch's top kernels; the sums checked against the eager path
+#              and float64 moments; the paths taken printed
+#   p14-compiled the same with the compiled step instead of the Triton kernels (--no-triton)
 #   p14-split  the same with every layer's moments centred and split (a trained model's mean-dominated layers)
 #   lean       the bf16 moments per layer: the upper triangle and the split rows' products of views against
 #              the full products, and their error against float64 in the tensor cores' summation order
@@ -51,8 +52,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 
 B="bench/bench_extract.py --device cuda --dtype bfloat16 --direct --moments --no-write --batches 4"
 P14="--hidden 2048 --layers 24 --batch 8 --seq 2048"
-step p14 120 $P $B $P14 --profile --check
-step p14-triton 90 $P $B $P14 --triton --check
+step p14 120 $P $B $P14 --triton --profile --check
+step p14-compiled 90 $P $B $P14 --no-triton --check
 step p14-split 90 $P $B $P14 --split-all
 step lean 45 $P bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384
 step tests 120 $P -m pytest tests/test_gpu_path.py tests/test_extract.py -p no:xdist -p no:cacheprovider \

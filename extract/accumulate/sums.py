@@ -10,10 +10,11 @@ a GPU.  Under a budget, rows are evicted down the tiers device table → host ta
 (tables.py, spill.py); `layer_rows` merges them back per token-id range, reading each spilled byte
 once.
 
-**The hot path** (`add`, per layer and batch) takes one of three forms, the same sums: on a GPU the
-compiled `layer_step` (kernels.py); on a CPU `_add_chunked`, the eager arithmetic CHUNK rows at a
-time on one float64 copy of each chunk (bit-identical to the general path, less memory traffic);
-else the general eager path (a GPU without the compiler, `--sample`, or an accumulator on another
+**The hot path** (`add`, per layer and batch) takes one of four forms, the same sums: on a GPU
+fused.py's Triton kernels (every per-layer sum of the default pass), else (--sequences, $ISO_TRITON
+off, or where Triton fails) the compiled `layer_step` (kernels.py); on a CPU `_add_chunked`, the
+eager arithmetic CHUNK rows at a time on one float64 copy of each chunk (bit-identical to the general
+path, less memory traffic); else the general eager path (a GPU without the compiler, `--sample`, or an accumulator on another
 device than the model, where a per-batch partial over the batch's distinct tokens is summed on the
 model's device first and folded in).
 
@@ -347,12 +348,18 @@ class TokenSums:
 
     def _add_triton(self, layer: int, hidden: torch.Tensor) -> None:
         """The GPU path of `add` without --sequences or --sample: fused.py's kernels add the token sums,
-        the layer's sums and window terms in place, and hand the moments their rows, n and Σh."""
+        the layer's sums, window terms, the windows' mean unit vectors and the change from the previous
+        layer in place, and hand the moments their rows, n and Σh."""
+        one = slice(layer, layer + 1)
+        prev = self._prev if self._prev is not None and self._prev[0] == layer - 1 else None
+        change = None if prev is None else (prev[1], prev[2], *(t[layer - 1: layer] for t in (
+            self.change_n, self.change_cos, self.change_angle)))
         try:
             out = fused_kernels.layer(self._plan, layer, hidden, self.sums[layer], self.counts[layer],
-                                      self.sum_h[layer], self.sum_u2[layer], self.nonfinite[layer: layer + 1],
-                                      self.zero[layer: layer + 1], self.windows[layer: layer + 1],
-                                      self.window_cos[layer: layer + 1], rows=self.moments is not None)
+                                      self.sum_h[layer], self.sum_u2[layer], self.nonfinite[one], self.zero[one],
+                                      self.windows[one], self.window_cos[one],
+                                      (self.unit_windows[one], self.sum_ubar[layer], self.sum_ubar_sq[one]),
+                                      rows=self.moments is not None, change=change)
         except Exception as e:  # noqa: BLE001 — a kernel that fails to compile fails before it writes
             if self._triton_once:
                 raise
@@ -364,6 +371,7 @@ class TokenSums:
             self._plan = None
             return self.add(layer, hidden)
         self._triton_once = True
+        self._keep(layer, hidden, out.inv)  # (B, T, d) by reference, (B, T): the next layer's `change`
         if self.moments is not None:
             self.moments.add(layer, out.rows, out.ok, s=out.s, n=out.n)
 

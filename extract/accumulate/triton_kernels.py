@@ -6,8 +6,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["P", "stride"])
-def norms_kernel(h, stride, dest, inv, counts, P, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+@triton.jit(do_not_specialize=["P", "stride", "pstride"])
+def norms_kernel(h, stride, dest, inv, counts, P, prev, pstride, pinv, minus_out, plus_out, change_n, change_cos,
+                 D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, CHANGE: tl.constexpr):
     p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # (BLOCK_P,) positions
     pm = p < P
     row = p.to(tl.int64) * stride
@@ -21,9 +22,30 @@ def norms_kernel(h, stride, dest, inv, counts, P, D: tl.constexpr, BLOCK_P: tl.c
     counted = pm & (tl.load(dest + p, mask=pm, other=-1) >= 0)
     finite = (norm - norm) == 0.0  # False for NaN and inf
     ok = counted & finite & (norm > 0.0)
-    tl.store(inv + p, tl.where(ok, 1.0 / tl.where(ok, norm, 1.0), 0.0), mask=pm)
+    iv = tl.where(ok, 1.0 / tl.where(ok, norm, 1.0), 0.0)  # (BLOCK_P,) 1/‖h‖, 0 where excluded
+    tl.store(inv + p, iv, mask=pm)
     tl.atomic_add(counts, tl.sum((counted & ~finite).to(tl.int64), axis=0))
     tl.atomic_add(counts + 1, tl.sum((counted & finite & (norm == 0.0)).to(tl.int64), axis=0))
+    if CHANGE:  # the change from the previous layer: a = prev · (1/‖prev‖), x = û, both float64
+        pv = tl.load(pinv + p, mask=pm, other=0.0)  # (BLOCK_P,) 0 where excluded there
+        prow = p.to(tl.int64) * pstride
+        dm = tl.zeros([BLOCK_P], dtype=tl.float64)  # ‖x − a‖²
+        dp = tl.zeros([BLOCK_P], dtype=tl.float64)  # ‖x + a‖²
+        for d0 in range(0, D, BLOCK_D):  # h's rows again (just read: in cache), the previous layer's once
+            c = d0 + tl.arange(0, BLOCK_D)
+            mk = pm[:, None] & (c[None, :] < D)
+            x = tl.load(h + row[:, None] + c[None, :], mask=mk, other=0.0).to(tl.float64) * iv[:, None]
+            a = tl.load(prev + prow[:, None] + c[None, :], mask=mk, other=0.0).to(tl.float64) * pv[:, None]
+            dm += tl.sum((x - a) * (x - a), axis=1)
+            dp += tl.sum((x + a) * (x + a), axis=1)
+        pair = ok & (pv > 0.0)  # rows excluded at either layer (NaN · 0 included) are dropped here
+        minus = tl.sqrt(dm)
+        plus = tl.where(minus * minus > 2.0, tl.sqrt(dp), tl.sqrt(tl.maximum(4.0 - minus * minus, 0.0)))
+        cos = (plus - minus) * (plus + minus) * 0.25
+        tl.store(minus_out + p, tl.where(pair, minus, 0.0), mask=pm)  # atan2(0, 1) = 0 for the rows not paired
+        tl.store(plus_out + p, tl.where(pair, plus, 1.0), mask=pm)
+        tl.atomic_add(change_n, tl.sum(pair.to(tl.int64), axis=0))
+        tl.atomic_add(change_cos, tl.sum(tl.where(pair, cos, 0.0), axis=0))
 
 
 @triton.jit(do_not_specialize=["T", "stride"])
@@ -105,23 +127,32 @@ def slots_kernel(h, stride, inv, order, slot, sums, counts, M, D: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["B"])
 def epilogue_kernel(m, u, u2, nw, B, D: tl.constexpr, s_out, counts, sum_h, sum_u2, nonfinite, zero, windows,
-                    window_cos, N_COLS: tl.constexpr, B_TILES: tl.constexpr, BLOCK_B: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+                    window_cos, unit_windows, sum_ubar, sum_ubar_sq, N_COLS: tl.constexpr, B_TILES: tl.constexpr,
+                    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     if pid < N_COLS:  # a column block: sums over the windows
         c = pid * BLOCK_D + tl.arange(0, BLOCK_D)
         cm = c < D
         a = tl.zeros([BLOCK_D], dtype=tl.float64)
         a2 = tl.zeros([BLOCK_D], dtype=tl.float64)
+        ub = tl.zeros([BLOCK_D], dtype=tl.float64)  # Σ_w ū_w
+        ub2 = tl.zeros([BLOCK_B], dtype=tl.float64)  # Σ_w ‖ū_w‖² over this column block
         for k in range(B_TILES):  # a power of 2 ≥ B / BLOCK_B
             bb = k * BLOCK_B + tl.arange(0, BLOCK_B)
             at = bb[:, None].to(tl.int64) * D + c[None, :]
             mk = (bb[:, None] < B) & cm[None, :]
             a += tl.sum(tl.load(m + at, mask=mk, other=0.0), axis=0)
             a2 += tl.sum(tl.load(u2 + at, mask=mk, other=0.0), axis=0)
+            n = tl.load(nw + bb, mask=bb < B, other=0)  # (BLOCK_B,) vectors per window
+            mean = tl.load(u + at, mask=mk, other=0.0) / tl.maximum(n, 1).to(tl.float64)[:, None]  # ū = Σû / n
+            mean = tl.where((n > 0)[:, None], mean, 0.0)
+            ub += tl.sum(mean, axis=0)
+            ub2 += tl.sum(mean * mean, axis=1)
         tl.store(s_out + c, a, mask=cm)
         tl.store(sum_h + c, tl.load(sum_h + c, mask=cm, other=0.0) + a, mask=cm)
         tl.store(sum_u2 + c, tl.load(sum_u2 + c, mask=cm, other=0.0) + a2, mask=cm)
+        tl.store(sum_ubar + c, tl.load(sum_ubar + c, mask=cm, other=0.0) + ub, mask=cm)
+        tl.atomic_add(sum_ubar_sq, tl.sum(ub2, axis=0))
         if pid == 0:  # the counts of `norms_kernel`, and the vectors counted (for the moments)
             tl.atomic_add(nonfinite, tl.load(counts))
             tl.atomic_add(zero, tl.load(counts + 1))
@@ -143,4 +174,5 @@ def epilogue_kernel(m, u, u2, nw, B, D: tl.constexpr, s_out, counts, sum_h, sum_
         den = tl.maximum(norm * n.to(tl.float64), 1e-300)
         tl.atomic_add(window_cos, tl.sum(tl.where(valid, dot / den, 0.0), axis=0))
         tl.atomic_add(windows, tl.sum(valid.to(tl.int64), axis=0))
+        tl.atomic_add(unit_windows, tl.sum((bm & (n > 0)).to(tl.int64), axis=0))
         tl.atomic_add(counts + 2, tl.sum(n, axis=0))
