@@ -71,6 +71,11 @@ class WindowMeasures:
         self._worker = worker
         self._dev = dev
 
+    @property
+    def worker(self):
+        """The executor the per-window terms run on (shared with the moments), or None: inline."""
+        return self._worker
+
     # ------------------------------------------------------------ per batch
 
     def set_batch(self, win: np.ndarray, n_windows: int, meta: np.ndarray | None) -> None:

@@ -220,7 +220,7 @@ VOCAB = pa.schema(
     ]
 )
 
-# ---- Merged tables (warehouse/merge.py): folded at commit, one file set per (model, checkpoint, group),
+# ---- Merged tables (warehouse/merge/): folded at commit, one file set per (model, checkpoint, group),
 # group = a source (its shards merged) or 'all' (every partial of the checkpoint).  Views read only these.
 _KEY_MERGED = _KEY_PARAMS + [pa.field("source", pa.string(), nullable=False)]
 

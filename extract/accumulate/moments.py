@@ -102,6 +102,11 @@ class Moments:
             self._worker = Worker(max_bytes=self.QUEUE_BYTES, threads=threads)
 
     @property
+    def worker(self):
+        """The executor the products run on (a Worker thread, a CUDA side stream), or None: inline."""
+        return self._worker
+
+    @property
     def has_cross(self) -> bool:
         return self._cross is not None
 

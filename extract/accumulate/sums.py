@@ -440,7 +440,7 @@ class TokenSums:
         invs, change = [], []  # per chunk: 1/‖h‖ (0 where excluded); ‖û_prev − û‖ (`change_distance`)
         prev = self._prev_rows(layer, self._batch[0])
         fuse = self.extra is not None and (self.WINDOW_TERMS if self.WINDOW_TERMS is not None
-                                           else self.extra._worker is None)
+                                           else self.extra.worker is None)
         terms = [] if fuse else None  # per chunk: `row_terms` of its rows
         for a in range(0, M, self.CHUNK):
             b = min(a + self.CHUNK, M)

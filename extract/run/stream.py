@@ -72,7 +72,7 @@ def new_accumulator(loaded: Loaded, settings: Settings, budget: int) -> TokenSum
         if settings.sequences:  # on the moments' background thread where there is one (same order)
             acc.extra = WindowMeasures(len(kinds), d, settings.accumulator_device or settings.device,
                                        precision=settings.moments_precision, prompt_entropy=settings.prompt_entropy,
-                                       worker=acc.moments._worker if acc.moments is not None else None)
+                                       worker=acc.moments.worker if acc.moments is not None else None)
         if settings.sample:
             acc.sample = Sample(len(kinds), settings.sample, d)
         plan = attention_for(loaded, settings)
