@@ -47,14 +47,15 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def moto_server(logdir):
-    """moto's S3 server on loopback with IAM auth: the first 3 calls (made here) create a user and its
-    keys; every later request must be signed with them.  Yields env (the AWS variables), client (boto3,
+    """moto's S3 server on loopback (tests/moto_serial.py: each request atomic, as S3's are) with IAM
+    auth: the first 3 calls (made here) create a user and its keys; every later request must be signed
+    with them.  Yields env (the AWS variables), client (boto3,
     those keys), endpoint and port; the bucket BUCKET exists."""
     import boto3
 
     port = free_port()
     log = open(os.path.join(logdir, "moto.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "moto_serial.py"), str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"})
     endpoint = f"http://127.0.0.1:{port}"
     try:
