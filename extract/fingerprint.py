@@ -35,6 +35,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from common.append import append_lines
 from common.errors import UserError
 from warehouse.store import cache_dir
 
@@ -199,15 +200,7 @@ def _append_cache(keys: list[list], tensors: list) -> None:
     text = "".join(json.dumps({"key": k, "tensors": tensors, "check": _line_check(k, tensors)}) + "\n"
                    for k in keys).encode()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn last line: ours starts a new one
-                text = b"\n" + text
-            os.write(fd, text)  # one O_APPEND write: racing writers' lines do not interleave
-        finally:
-            os.close(fd)
+        append_lines(path, text)
         with open(path, "rb") as f:
             lines = f.read().splitlines()
         if len(lines) > CACHE_MAX_LINES:

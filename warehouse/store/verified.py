@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from common.append import append_lines
 from common.errors import UserError
 
 from ..storage import HASH, Storage, checksum, open_storage
@@ -103,15 +104,7 @@ def append_verified(st: Storage, items: dict) -> None:
     path = verified_cache_file(st)
     text = "".join(json.dumps([p, k]) + "\n" for p, k in items.items()).encode()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":  # a torn last line: ours starts a new one
-                text = b"\n" + text
-            os.write(fd, text)  # one O_APPEND write: lines of racing writers do not interleave
-        finally:
-            os.close(fd)
+        append_lines(path, text)
     except OSError:
         pass
 
