@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _temporary_files_in_memory() -> None:
     """Temporary files (pytest's tmp_path, tempfile, the children's) on tmpfs where the machine has one with
-    room: every commit fsyncs its files, ~8 ms each on this disk under load, ~0.2 ms in memory (an extract
-    commits ~40).  ISO_TEST_TMPDIR chooses the directory; ISO_TEST_TMPDIR= (empty) keeps TMPDIR."""
+    room: every commit fsyncs its files, which costs a disk write each and next to nothing in memory (an
+    extract commits ~40).  ISO_TEST_TMPDIR chooses the directory; ISO_TEST_TMPDIR= (empty) keeps TMPDIR."""
     import tempfile
 
     chosen = os.environ.get("ISO_TEST_TMPDIR")
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # torch.compile's code generation in this process, not in a pool of worker processes that each import torch
-# first (~10 s of CPU for the one test of the compiled step, whose graph is tiny).
+# first (the compiled step's graph is tiny: the pool's start-up would be most of its cost).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Plain progress lines (stderr is no terminal under pytest) only when a test asks: a test that counts
 # stderr's lines (one `error:` line) must not see a 10 % line of a slow machine (tests/test_progress.py).
@@ -127,7 +127,7 @@ def python_shim(workdir) -> Path:
 def pytest_collection_finish(session):
     """Import what the command line's work imports lazily (transformers' model classes: the largest), then
     move every imported object out of the garbage collector's way: each extract calls gc.collect()
-    (extract/memory.py), which would otherwise walk them all, 0.2–0.3 s each time in this process."""
+    (extract/memory.py), which would otherwise walk them all each time in this process."""
     zygote.preload(quiet=True)
 
 

@@ -1,4 +1,4 @@
-"""A fork server for the tests' command-line children: `python cli.py …` without the 5–8 s of imports.
+"""A fork server for the tests' command-line children: `python cli.py …` without importing everything again.
 
 A test that is about processes (kill -9 at a fault point, Ctrl-C, racing writers, Slurm array tasks,
 torchrun and its ranks) needs the CLI in a process of its own, and a fresh interpreter pays torch's and

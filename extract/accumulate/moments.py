@@ -220,7 +220,7 @@ class Moments:
           x = hi + lo (+ 2⁻¹⁸|x| at most), and Σ x xᵀ = Σ hiᵀhi + hiᵀlo + loᵀhi + loᵀlo
           (`_add_sym`: 2.25× a raw layer's multiply-adds, 3.6× its upper triangle's); rows that are
           not ok are zeroed after centring, and the shift is undone in float64 when the sums are read
-          (`s2`, `cross`).  The error no longer grows with the mean."""
+          (`s2`, `cross`).  The error does not grow with the mean."""
         M, d = h.shape
         s, n = given if given is not None else (h.sum(0, dtype=torch.float64), ok.sum())  # (d,) Σh, () rows ok
         self._n[layer] += n
