@@ -92,12 +92,14 @@ def extract(**options):
     warehouse = options["warehouse"]
     try:
         from extract.launch import finish, reducer_for
+        from extract.memory import settle_imports
         from extract.options import prepare
         from extract.run import Interrupted, extract as run_extract, summary_line
     except KeyboardInterrupt:
         _interrupted("interrupted: nothing was committed")
     try:
         job = prepare(options)
+        settle_imports()
         launch = job.launch
         start = time.perf_counter()
         tag = f"[rank {launch.rank} of {launch.world_size}] " if launch.distributed else ""
@@ -184,6 +186,9 @@ def sweep(
             typer.echo(f"wrote {slurm}: {len(todo)} array tasks; submit with: sbatch {slurm}", err=True)
         if plan or slurm is not None:
             return
+        from extract.memory import settle_imports
+
+        settle_imports()
         start = time.perf_counter()
         log = lambda m: typer.echo(m, err=True)  # noqa: E731
         if task is None:

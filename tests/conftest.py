@@ -143,6 +143,10 @@ _CALLS: dict[str, int] = {}
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    # Every object alive now (the session's fixtures, caches, what earlier tests kept) out of the garbage
+    # collector's way: the gc.collect() calls of each extract (extract/memory.py) then walk only what this
+    # test makes.  Garbage cycles alive now are never collected (a test process's few megabytes).
+    gc.freeze()
     if not _CPU_LOG:
         yield
         return
@@ -193,6 +197,7 @@ def run_cli(*args: str):
 
     if _CPU_LOG:
         _CALLS[str(args[0])] = _CALLS.get(str(args[0]), 0) + 1
+    gc.freeze()  # what the test made so far, out of the way of this command's gc.collect() calls
     result = CliRunner().invoke(cli.app, [str(a) for a in args])
     if result.exception and not isinstance(result.exception, SystemExit):
         raise result.exception
