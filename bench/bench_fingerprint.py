@@ -113,7 +113,7 @@ def main() -> None:
             print(f"fingerprint, {label} page cache: {wall:.1f} s wall, {cpu:.1f} s CPU, {read / 1e9:.2f} GB hashed "
                   f"({read / wall / 1e9:.2f} GB/s); {got}; load {os.getloadavg()}")
             if label == "cold":  # the warm run hashes again, and fills the cache
-                Path(os.environ["XDG_CACHE_HOME"], "isotropy-warehouse", fp.CACHE_FILE).unlink()
+                shutil.rmtree(Path(os.environ["XDG_CACHE_HOME"], "isotropy-warehouse", fp.CACHE_DIR), ignore_errors=True)
         wall, cpu, got, read = timed(root)
         print(f"fingerprint, rerun with the cache: {wall * 1e3:.1f} ms wall, {read} bytes hashed; {got}")
     finally:

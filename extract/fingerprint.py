@@ -12,12 +12,13 @@ without loading anything: its header gives each tensor's byte range, hashed stra
 releases the GIL, runs on every core).  A `.bin` / `.pt` file is opened with
 `torch.load(weights_only=True, mmap=True)` and each tensor's bytes hashed from the mapping.
 
-Each file's tensor list is cached in the user's cache directory (`cache_dir()/tensor-fingerprints.jsonl`),
-keyed by the file's absolute path, size, mtime, ctime and inode — rewriting a file changes the key,
+Each file's tensor list is cached in the user's cache directory (`cache_dir()/tensor-fingerprints/`,
+one small file per key, so a lookup reads one file however many the cache holds), keyed by the
+file's absolute path, size, mtime, ctime and inode — rewriting a file changes the key,
 so it is hashed again — and, for a blob of the Hugging Face hub cache (whose file name is the
 sha256 of its bytes, checked by the hub on download), by that sha256 as well: the same blob under
-another revision, path or inode costs nothing.  A cache line that does not parse or whose own
-checksum is wrong is ignored, never trusted.
+another revision, path or inode costs nothing.  A cache file that does not parse or whose checksum
+(over the key looked up and the records) is wrong is ignored, never trusted.
 
 `state_dict_fingerprint` is the same over a model's state_dict in memory (a tensor tied to an
 earlier name once, under its first name): it equals the file fingerprint when the file holds exactly
@@ -35,13 +36,12 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from common.append import append_lines
 from common.errors import UserError
 from warehouse.store import cache_dir
 
 PREFIX = "tensors "
-CACHE_FILE = "tensor-fingerprints.jsonl"
-CACHE_MAX_LINES = 4096  # rewritten to its newest half beyond this
+CACHE_DIR = "tensor-fingerprints"  # one file per key, under cache_dir()
+CACHE_MAX_FILES = 4096  # the older half removed beyond this
 CHUNK = 8 << 20  # bytes per read
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16", "U32": "uint32",
@@ -168,45 +168,48 @@ def _torch_records(path: Path, pool: ThreadPoolExecutor) -> list[list]:
 # ---------------------------------------------------------------- the cache
 
 
-def _cache_path() -> Path:
-    return cache_dir() / CACHE_FILE
+def _cache_root() -> Path:
+    return cache_dir() / CACHE_DIR
+
+
+def _entry_path(key: list) -> Path:
+    """The one file that holds a key's records: named by the sha256 of the key, so a lookup reads
+    one small file whatever the cache holds."""
+    return _cache_root() / (hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32] + ".json")
 
 
 def _line_check(key: list, tensors: list) -> str:
     return hashlib.sha256(json.dumps([key, tensors], sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _read_cache() -> dict[str, list]:
-    """Cache key (JSON) → tensor records; lines that do not parse or check are skipped."""
-    out = {}
+def _cached(key: list) -> list | None:
+    """The records cached under `key`, or None: absent, or a file that does not parse or whose
+    checksum (over the key looked up and the records) is wrong — ignored, never trusted."""
     try:
-        data = _cache_path().read_bytes()
-    except OSError:
-        return out
-    for line in data.splitlines():
-        try:
-            item = json.loads(line)
-            key, tensors, check = item["key"], item["tensors"], item["check"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        if isinstance(key, list) and isinstance(tensors, list) and check == _line_check(key, tensors):
-            out[json.dumps(key)] = tensors
-    return out
+        item = json.loads(_entry_path(key).read_bytes())
+        tensors, check = item["tensors"], item["check"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return tensors if isinstance(tensors, list) and check == _line_check(key, tensors) else None
 
 
-def _append_cache(keys: list[list], tensors: list) -> None:
-    """Append the records under each key; best effort (a cache that cannot be written costs a re-hash)."""
-    path = _cache_path()
-    text = "".join(json.dumps({"key": k, "tensors": tensors, "check": _line_check(k, tensors)}) + "\n"
-                   for k in keys).encode()
+def _store(keys: list[list], tensors: list) -> None:
+    """The records under each key, each in its own file written whole (a temporary file renamed over
+    it); beyond CACHE_MAX_FILES the older half of the files is removed.  Best effort: a cache that
+    cannot be written costs a re-hash."""
+    root = _cache_root()
     try:
-        append_lines(path, text)
-        with open(path, "rb") as f:
-            lines = f.read().splitlines()
-        if len(lines) > CACHE_MAX_LINES:
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(b"\n".join(lines[-CACHE_MAX_LINES // 2:]) + b"\n")
+        root.mkdir(parents=True, exist_ok=True)
+        for k in keys:
+            path = _entry_path(k)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps({"key": k, "tensors": tensors, "check": _line_check(k, tensors)}))
             os.replace(tmp, path)
+        files = list(root.glob("*.json"))
+        if len(files) > CACHE_MAX_FILES:
+            files.sort(key=lambda f: f.stat().st_mtime_ns)
+            for f in files[: len(files) // 2]:
+                f.unlink(missing_ok=True)
     except OSError:
         pass
 
@@ -222,7 +225,7 @@ def file_keys(path: Path) -> list[list]:
     return keys
 
 
-def file_tensors(path: Path, pool: ThreadPoolExecutor | None = None, cache: dict | None = None) -> list[list]:
+def file_tensors(path: Path, pool: ThreadPoolExecutor | None = None) -> list[list]:
     """[name, dtype, shape, sha256 of the bytes] of each tensor of one weight file, sorted by name:
     from this process's memo or the cache when the file is unchanged (or a hub blob of a known
     sha256), else read and hashed, then cached."""
@@ -231,8 +234,8 @@ def file_tensors(path: Path, pool: ThreadPoolExecutor | None = None, cache: dict
     for n in names:
         if n in MEMO:
             return MEMO[n]
-    cache = _read_cache() if cache is None else cache
-    hit = next((cache[n] for n in names if n in cache), None)
+    found = [_cached(k) for k in keys]
+    hit = next((f for f in found if f is not None), None)
     if hit is None:
         own = pool is None
         pool = pool or ThreadPoolExecutor(workers())
@@ -249,11 +252,11 @@ def file_tensors(path: Path, pool: ThreadPoolExecutor | None = None, cache: dict
         hit.sort(key=lambda r: r[0])
         with _lock:
             READ["files"] += 1
-        _append_cache(keys, hit)
+        _store(keys, hit)
     else:
-        missing = [k for k, n in zip(keys, names) if n not in cache]
+        missing = [k for k, f in zip(keys, found) if f is None]
         if missing:  # e.g. a known blob under a new inode: its path key too
-            _append_cache(missing, hit)
+            _store(missing, hit)
     for n in names:
         MEMO[n] = hit
     return hit
@@ -281,11 +284,10 @@ def tensor_fingerprint(directory: Path) -> str | None:
     files = weight_files(Path(directory))
     if not files:
         return None
-    cache = _read_cache()
     records = []
     with ThreadPoolExecutor(workers()) as pool:
         for f in files:
-            records += file_tensors(f, pool, cache)
+            records += file_tensors(f, pool)
     return combine(records)
 
 

@@ -8,6 +8,7 @@ touched one is; a hub blob of a known sha256 is not read at all.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -114,12 +115,43 @@ def test_the_cache_reads_an_unchanged_file_never_again_and_a_touched_one_again(m
     os.utime(d / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: a new mtime
     fp.MEMO.clear()
     assert fp.tensor_fingerprint(d) == want and fp.READ["bytes"] - reads == size  # hashed again
-    # a line that does not parse, and one whose check is wrong (claiming other tensors), are ignored
-    path = Path(os.environ["XDG_CACHE_HOME"]) / "isotropy-warehouse" / fp.CACHE_FILE
-    lines = path.read_text().splitlines()
-    forged = json.loads(lines[-1])
-    forged["tensors"][0][3] = "0" * 64
-    path.write_text('{"key": [1, 2\n' + json.dumps(forged) + "\n")
+    # a cache file that does not parse, and one whose check is wrong (claiming other tensors), are ignored
+    mine = str((d / "model.safetensors").resolve())
+
+    def entries():  # the cache files of this path's keys (the file before and after the touch)
+        out = []
+        for f in (Path(os.environ["XDG_CACHE_HOME"]) / "isotropy-warehouse" / fp.CACHE_DIR).glob("*.json"):
+            try:
+                if json.loads(f.read_text())["key"][0] == mine:
+                    out.append(f)
+            except ValueError:
+                pass
+        return out
+
+    files = entries()
+    assert len(files) == 2
+    for f in files:
+        forged = json.loads(f.read_text())
+        forged["tensors"][0][3] = "0" * 64
+        f.write_text(json.dumps(forged))
+    fp.MEMO.clear()
+    reads = fp.READ["bytes"]
+    assert fp.tensor_fingerprint(d) == want and fp.READ["bytes"] - reads == size
+    for f in files:
+        f.write_text('{"key": [1, 2')
+    fp.MEMO.clear()
+    reads = fp.READ["bytes"]
+    assert fp.tensor_fingerprint(d) == want and fp.READ["bytes"] - reads == size
+    # a file under this key's name that holds another key's records (its own check right) is ignored too
+    files = entries()
+    assert files
+    for f in files:
+        item = json.loads(f.read_text())
+        item["tensors"][0][3] = "0" * 64
+        item["key"] = ["another", "file"]
+        item["check"] = hashlib.sha256(json.dumps([item["key"], item["tensors"]], sort_keys=True).encode()
+                                       ).hexdigest()[:32]  # the file's own check, right for what it holds
+        f.write_text(json.dumps(item))
     fp.MEMO.clear()
     reads = fp.READ["bytes"]
     assert fp.tensor_fingerprint(d) == want and fp.READ["bytes"] - reads == size
