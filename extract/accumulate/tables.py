@@ -90,11 +90,13 @@ class SlotTable:
         if new > cap:
             self.peak_bytes = max(self.peak_bytes, self.L * new * row + cap * row + 8 * new)  # ≥ table_bytes()
             for layer in range(self.L):
-                grown = torch.zeros(new, self.d, dtype=torch.float64, device=self.device)
+                grown = torch.empty(new, self.d, dtype=torch.float64, device=self.device)
                 grown[:cap] = self.sums[layer]
+                grown[cap:].zero_()  # only the new rows: the old ones are overwritten by the copy
                 self.sums[layer] = grown
-                counts = torch.zeros(new, dtype=torch.int64, device=self.device)
+                counts = torch.empty(new, dtype=torch.int64, device=self.device)
                 counts[:cap] = self.counts[layer]
+                counts[cap:].zero_()
                 self.counts[layer] = counts
             self.tokens = np.concatenate([self.tokens, np.full(new - cap, -1, dtype=np.int64)])
         return new >= need
