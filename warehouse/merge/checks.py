@@ -11,7 +11,7 @@ import pyarrow as pa
 from common.errors import UserError
 
 from ..storage import Storage, StorageFault, open_storage
-from ..store import Manifest
+from ..store import Manifest, partial_id
 
 from .commits import discard
 from .fold import fold_group
@@ -92,6 +92,7 @@ def check(root, manifest: Manifest) -> list[tuple[str, str]]:
     problems += [(k, f"merged entry {k} has no partials left (--fix removes it)") for k in extra]
     with tempfile.TemporaryDirectory(prefix="iso-check-") as tmp_dir:
         tmp = open_storage(tmp_dir)
+        last = None  # (partial ids, fresh merge) of the group merged just before, kept for the next one
         for k, (model, checkpoint, group, members) in expected_groups(manifest).items():
             if k in stale:
                 continue
@@ -111,31 +112,48 @@ def check(root, manifest: Manifest) -> list[tuple[str, str]]:
                     if got != dict(want_n):
                         problems.append((k, f"{k}: layer counts {got} differ from its partials' {dict(want_n)}"))
                     continue
-                fresh = fold_group(root, model, checkpoint, group, None, members, [], members, dest=tmp)
+                ids = sorted(partial_id(e) for e in members)
+                if last is not None and last[0] == ids:  # e.g. 'all' of a one-source checkpoint: the same
+                    fresh, relabel = last[1], group      # merge but for the source column
+                else:
+                    if last is not None:
+                        discard(tmp, [last[1]])
+                        last = None
+                    fresh, relabel = fold_group(root, model, checkpoint, group, None, members, [], members,
+                                                dest=tmp), None
+                    last = (ids, fresh)
             except StorageFault:  # the store failed, not the partial
                 raise
             except UserError as e:  # a damaged partial: reported by the file checks, named here too
                 problems.append((k, f"{k}: cannot be re-merged: {e}"))
                 continue
-            try:
-                st = checked(root, [have])
-                for table in sorted(set(have["files"]) | set(fresh["files"])):
-                    if (table in have["files"]) != (table in fresh["files"]):
-                        why = "missing" if table in fresh["files"] else "not in a fresh merge"
-                        problems.append((k, f"{k}: {table} {why} (--fix re-merges)"))
-                        continue
-                    try:
-                        why = compare_tables(_table(st, have["files"][table]), _table(tmp, fresh["files"][table]),
-                                             table)
-                    except StorageFault:
-                        raise
-                    except UserError as e:
-                        why = str(e)
-                    except Exception as e:  # pyarrow raises several types for a damaged file
-                        why = f"unreadable ({str(e)[:200]})"
-                    if why:
-                        problems.append((k, f"{k}: {table} differs from a fresh merge of its partials: "
-                                            f"{why} (--fix re-merges)"))
-            finally:
-                discard(tmp, [fresh])
+            st = checked(root, [have])
+            for table in sorted(set(have["files"]) | set(fresh["files"])):
+                if (table in have["files"]) != (table in fresh["files"]):
+                    why = "missing" if table in fresh["files"] else "not in a fresh merge"
+                    problems.append((k, f"{k}: {table} {why} (--fix re-merges)"))
+                    continue
+                try:
+                    why = compare_tables(_table(st, have["files"][table]),
+                                         _relabeled(_table(tmp, fresh["files"][table]), relabel), table)
+                except StorageFault:
+                    raise
+                except UserError as e:
+                    why = str(e)
+                except Exception as e:  # pyarrow raises several types for a damaged file
+                    why = f"unreadable ({str(e)[:200]})"
+                if why:
+                    problems.append((k, f"{k}: {table} differs from a fresh merge of its partials: "
+                                        f"{why} (--fix re-merges)"))
+        if last is not None:
+            discard(tmp, [last[1]])
     return problems
+
+
+def _relabeled(table: pa.Table, group: str | None) -> pa.Table:
+    """`table` (a fresh merge of the same partials for another group) with its source column set to
+    `group` (None: as it is)."""
+    if group is None or "source" not in table.column_names:
+        return table
+    i = table.column_names.index("source")
+    return table.set_column(i, table.schema.field(i), pa.array([group] * table.num_rows, table.schema.field(i).type))
