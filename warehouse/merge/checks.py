@@ -93,60 +93,62 @@ def check(root, manifest: Manifest) -> list[tuple[str, str]]:
     with tempfile.TemporaryDirectory(prefix="iso-check-") as tmp_dir:
         tmp = open_storage(tmp_dir)
         last = None  # (partial ids, fresh merge) of the group merged just before, kept for the next one
-        for k, (model, checkpoint, group, members) in expected_groups(manifest).items():
-            if k in stale:
-                continue
-            have = manifest["entries"].get(k)
-            members = folded_members(manifest, k, members)  # pending partials are not in it yet
-            if have is None or not members:
-                continue
-            try:
-                if have.get("compacted") or any(e.get("compacted") for e in members):
-                    st = checked(root, [have, *members])
-                    want_n = defaultdict(int)
-                    for e in members:
-                        for r in st.read_table(e["files"]["layer_sums"], columns=["layer", "n"]).to_pylist():
-                            want_n[r["layer"]] += r["n"]
-                    got = {r["layer"]: r["n"] for r in _table(st, have["files"].get("layer_totals"),
-                                                                 ["layer", "n"]).to_pylist()}
-                    if got != dict(want_n):
-                        problems.append((k, f"{k}: layer counts {got} differ from its partials' {dict(want_n)}"))
+        try:
+            for k, (model, checkpoint, group, members) in expected_groups(manifest).items():
+                if k in stale:
                     continue
-                ids = sorted(partial_id(e) for e in members)
-                if last is not None and last[0] == ids:  # e.g. 'all' of a one-source checkpoint: the same
-                    fresh, relabel = last[1], group      # merge but for the source column
-                else:
-                    if last is not None:
-                        discard(tmp, [last[1]])
-                        last = None
-                    fresh, relabel = fold_group(root, model, checkpoint, group, None, members, [], members,
-                                                dest=tmp), None
-                    last = (ids, fresh)
-            except StorageFault:  # the store failed, not the partial
-                raise
-            except UserError as e:  # a damaged partial: reported by the file checks, named here too
-                problems.append((k, f"{k}: cannot be re-merged: {e}"))
-                continue
-            st = checked(root, [have])
-            for table in sorted(set(have["files"]) | set(fresh["files"])):
-                if (table in have["files"]) != (table in fresh["files"]):
-                    why = "missing" if table in fresh["files"] else "not in a fresh merge"
-                    problems.append((k, f"{k}: {table} {why} (--fix re-merges)"))
+                have = manifest["entries"].get(k)
+                members = folded_members(manifest, k, members)  # pending partials are not in it yet
+                if have is None or not members:
                     continue
                 try:
-                    why = compare_tables(_table(st, have["files"][table]),
-                                         _relabeled(_table(tmp, fresh["files"][table]), relabel), table)
-                except StorageFault:
+                    if have.get("compacted") or any(e.get("compacted") for e in members):
+                        st = checked(root, [have, *members])
+                        want_n = defaultdict(int)
+                        for e in members:
+                            for r in st.read_table(e["files"]["layer_sums"], columns=["layer", "n"]).to_pylist():
+                                want_n[r["layer"]] += r["n"]
+                        got = {r["layer"]: r["n"] for r in _table(st, have["files"].get("layer_totals"),
+                                                                     ["layer", "n"]).to_pylist()}
+                        if got != dict(want_n):
+                            problems.append((k, f"{k}: layer counts {got} differ from its partials' {dict(want_n)}"))
+                        continue
+                    ids = sorted(partial_id(e) for e in members)
+                    if last is not None and last[0] == ids:  # e.g. 'all' of a one-source checkpoint: the same
+                        fresh, relabel = last[1], group      # merge but for the source column
+                    else:
+                        if last is not None:
+                            discard(tmp, [last[1]])
+                            last = None
+                        fresh, relabel = fold_group(root, model, checkpoint, group, None, members, [], members,
+                                                    dest=tmp), None
+                        last = (ids, fresh)
+                except StorageFault:  # the store failed, not the partial
                     raise
-                except UserError as e:
-                    why = str(e)
-                except Exception as e:  # pyarrow raises several types for a damaged file
-                    why = f"unreadable ({str(e)[:200]})"
-                if why:
-                    problems.append((k, f"{k}: {table} differs from a fresh merge of its partials: "
-                                        f"{why} (--fix re-merges)"))
-        if last is not None:
-            discard(tmp, [last[1]])
+                except UserError as e:  # a damaged partial: reported by the file checks, named here too
+                    problems.append((k, f"{k}: cannot be re-merged: {e}"))
+                    continue
+                st = checked(root, [have])
+                for table in sorted(set(have["files"]) | set(fresh["files"])):
+                    if (table in have["files"]) != (table in fresh["files"]):
+                        why = "missing" if table in fresh["files"] else "not in a fresh merge"
+                        problems.append((k, f"{k}: {table} {why} (--fix re-merges)"))
+                        continue
+                    try:
+                        why = compare_tables(_table(st, have["files"][table]),
+                                             _relabeled(_table(tmp, fresh["files"][table]), relabel), table)
+                    except StorageFault:
+                        raise
+                    except UserError as e:
+                        why = str(e)
+                    except Exception as e:  # pyarrow raises several types for a damaged file
+                        why = f"unreadable ({str(e)[:200]})"
+                    if why:
+                        problems.append((k, f"{k}: {table} differs from a fresh merge of its partials: "
+                                            f"{why} (--fix re-merges)"))
+        finally:  # the fresh merge's files and the lease that protects them
+            if last is not None:
+                discard(tmp, [last[1]])
     return problems
 
 
