@@ -158,7 +158,30 @@ def test_a_lost_token_stats_of_all_is_rebuilt_and_later_extracts_work(clean, sou
 def test_every_merged_table_is_re_derived_from_its_partials(clean, workdir, table, column):
     """A wrong value whose checksum was rewritten too (a bug, not a bit flip): found by re-merging."""
     wh = copy(clean["after"], workdir / f"rep-derive-{table}")
-    victim = merged_file(wh, table)
+    _tamper(wh, merged_file(wh, table), column)
+    problems = validate(wh)
+    assert any(f"{table} differs from a fresh merge" in p for p in problems), problems
+    assert validate(wh, fix=True) == []
+    assert snapshot(wh) == clean["snap_after"]
+
+
+@pytest.mark.parametrize("group", ["alpha", "all"])
+def test_a_wrong_merged_table_of_a_one_source_checkpoint_is_found(clean, workdir, group):
+    """Its source group and 'all' hold the same partials (validate merges them once): a wrong value in
+    either is found."""
+    wh = copy(clean["before"], workdir / f"rep-derive-one-{group}")
+    _tamper(wh, merged_file(wh, "token_stats", group), "sum_sq")
+    key = next(e["key"] for e in store.read_manifest(wh)["entries"].values()
+               if e["kind"] == "merged" and e["source"] == group)
+    problems = validate(wh)
+    found = [p for p in problems if "differs from a fresh merge" in p]
+    assert found and all(p.startswith(f"{key}: token_stats ") for p in found), problems
+    assert validate(wh, fix=True) == []
+    assert snapshot(wh) == clean["snap_before"]
+
+
+def _tamper(wh: Path, victim: Path, column: str) -> None:
+    """Scale the largest value of `column` in `victim` by 1 + 1e-4 and record the new bytes' checksum."""
     t = pq.read_table(victim)
     col = t.column(column).combine_chunks()
     if pa.types.is_list(col.type):  # a vector column: one value of one row
@@ -179,10 +202,6 @@ def test_every_merged_table_is_re_derived_from_its_partials(clean, workdir, tabl
                 e["checksums"][rel] = {"size": len(data), "blake2b": hashlib.blake2b(data).hexdigest()}
         rec["digest"] = store.record_digest(rec)
         rec_path.write_bytes(store.record_bytes(rec))
-    problems = validate(wh)
-    assert any(f"{table} differs from a fresh merge" in p for p in problems), problems
-    assert validate(wh, fix=True) == []
-    assert snapshot(wh) == clean["snap_after"]
 
 
 # ---------------------------------------------------------------- the log

@@ -11,7 +11,7 @@ import pyarrow as pa
 from common.errors import UserError
 
 from ..storage import Storage, StorageFault, open_storage
-from ..store import Manifest
+from ..store import Manifest, partial_id
 
 from .commits import discard
 from .fold import fold_group
@@ -92,32 +92,42 @@ def check(root, manifest: Manifest) -> list[tuple[str, str]]:
     problems += [(k, f"merged entry {k} has no partials left (--fix removes it)") for k in extra]
     with tempfile.TemporaryDirectory(prefix="iso-check-") as tmp_dir:
         tmp = open_storage(tmp_dir)
-        for k, (model, checkpoint, group, members) in expected_groups(manifest).items():
-            if k in stale:
-                continue
-            have = manifest["entries"].get(k)
-            members = folded_members(manifest, k, members)  # pending partials are not in it yet
-            if have is None or not members:
-                continue
-            try:
-                if have.get("compacted") or any(e.get("compacted") for e in members):
-                    st = checked(root, [have, *members])
-                    want_n = defaultdict(int)
-                    for e in members:
-                        for r in st.read_table(e["files"]["layer_sums"], columns=["layer", "n"]).to_pylist():
-                            want_n[r["layer"]] += r["n"]
-                    got = {r["layer"]: r["n"] for r in _table(st, have["files"].get("layer_totals"),
-                                                                 ["layer", "n"]).to_pylist()}
-                    if got != dict(want_n):
-                        problems.append((k, f"{k}: layer counts {got} differ from its partials' {dict(want_n)}"))
+        last = None  # (partial ids, fresh merge) of the group merged just before, kept for the next one
+        try:
+            for k, (model, checkpoint, group, members) in expected_groups(manifest).items():
+                if k in stale:
                     continue
-                fresh = fold_group(root, model, checkpoint, group, None, members, [], members, dest=tmp)
-            except StorageFault:  # the store failed, not the partial
-                raise
-            except UserError as e:  # a damaged partial: reported by the file checks, named here too
-                problems.append((k, f"{k}: cannot be re-merged: {e}"))
-                continue
-            try:
+                have = manifest["entries"].get(k)
+                members = folded_members(manifest, k, members)  # pending partials are not in it yet
+                if have is None or not members:
+                    continue
+                try:
+                    if have.get("compacted") or any(e.get("compacted") for e in members):
+                        st = checked(root, [have, *members])
+                        want_n = defaultdict(int)
+                        for e in members:
+                            for r in st.read_table(e["files"]["layer_sums"], columns=["layer", "n"]).to_pylist():
+                                want_n[r["layer"]] += r["n"]
+                        got = {r["layer"]: r["n"] for r in _table(st, have["files"].get("layer_totals"),
+                                                                     ["layer", "n"]).to_pylist()}
+                        if got != dict(want_n):
+                            problems.append((k, f"{k}: layer counts {got} differ from its partials' {dict(want_n)}"))
+                        continue
+                    ids = sorted(partial_id(e) for e in members)
+                    if last is not None and last[0] == ids:  # e.g. 'all' of a one-source checkpoint: the same
+                        fresh, relabel = last[1], group      # merge but for the source column
+                    else:
+                        if last is not None:
+                            discard(tmp, [last[1]])
+                            last = None
+                        fresh, relabel = fold_group(root, model, checkpoint, group, None, members, [], members,
+                                                    dest=tmp), None
+                        last = (ids, fresh)
+                except StorageFault:  # the store failed, not the partial
+                    raise
+                except UserError as e:  # a damaged partial: reported by the file checks, named here too
+                    problems.append((k, f"{k}: cannot be re-merged: {e}"))
+                    continue
                 st = checked(root, [have])
                 for table in sorted(set(have["files"]) | set(fresh["files"])):
                     if (table in have["files"]) != (table in fresh["files"]):
@@ -125,8 +135,8 @@ def check(root, manifest: Manifest) -> list[tuple[str, str]]:
                         problems.append((k, f"{k}: {table} {why} (--fix re-merges)"))
                         continue
                     try:
-                        why = compare_tables(_table(st, have["files"][table]), _table(tmp, fresh["files"][table]),
-                                             table)
+                        why = compare_tables(_table(st, have["files"][table]),
+                                             _relabeled(_table(tmp, fresh["files"][table]), relabel), table)
                     except StorageFault:
                         raise
                     except UserError as e:
@@ -136,6 +146,16 @@ def check(root, manifest: Manifest) -> list[tuple[str, str]]:
                     if why:
                         problems.append((k, f"{k}: {table} differs from a fresh merge of its partials: "
                                             f"{why} (--fix re-merges)"))
-            finally:
-                discard(tmp, [fresh])
+        finally:  # the fresh merge's files and the lease that protects them
+            if last is not None:
+                discard(tmp, [last[1]])
     return problems
+
+
+def _relabeled(table: pa.Table, group: str | None) -> pa.Table:
+    """`table` (a fresh merge of the same partials for another group) with its source column set to
+    `group` (None: as it is)."""
+    if group is None or "source" not in table.column_names:
+        return table
+    i = table.column_names.index("source")
+    return table.set_column(i, table.schema.field(i), pa.array([group] * table.num_rows, table.schema.field(i).type))

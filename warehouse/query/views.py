@@ -74,10 +74,25 @@ def views_reference(directory: Path = QUERIES_DIR) -> str:
     return "\n".join(out)
 
 
+_METRICS: dict[Path, tuple[tuple, list[Metric]]] = {}  # directory → (its .sql files' versions, their metrics)
+
+
 def load_metrics(directory: Path = QUERIES_DIR) -> list[Metric]:
-    """The metric views, in an order where every view comes after its inputs."""
+    """The metric views, in an order where every view comes after its inputs (parsed again only when
+    a file of `directory` was added, removed or changed: every connect() asks)."""
+    paths = sorted(directory.glob("*.sql"))
+    stamp = tuple((p.name, s.st_mtime_ns, s.st_size, s.st_ino) for p in paths for s in [p.stat()])
+    cached = _METRICS.get(directory)
+    if cached is not None and cached[0] == stamp:
+        return list(cached[1])
+    ordered = _parse_metrics(paths)
+    _METRICS[directory] = (stamp, ordered)
+    return list(ordered)
+
+
+def _parse_metrics(paths: list[Path]) -> list[Metric]:
     metrics = {}
-    for path in sorted(directory.glob("*.sql")):
+    for path in paths:
         text = path.read_text()
         split = lambda s: tuple(x.strip() for x in s.split(",") if x.strip())  # noqa: E731
         body = "\n".join(line for line in text.splitlines() if not line.startswith("--")).strip()
