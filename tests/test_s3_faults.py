@@ -108,6 +108,16 @@ def _put_file(st):
     return lambda: (st.replace("obj", BIG), st.read_bytes("obj") == BIG)[1], "PUT", "/obj"
 
 
+def _put_multipart(st):  # larger than a part (10 MiB): a multipart upload (create, parts, complete)
+    data = b"y" * (11 << 20)
+    return lambda: (st.replace("obj", data), st.read_bytes("obj") == data)[1], "POST", r"/obj\?uploads"
+
+
+def _complete_multipart(st):
+    call, method, _ = _put_multipart(st)
+    return call, method, r"/obj\?uploadId="
+
+
 def _put_record(st):
     return lambda: st.create_if_absent("_log/00000000000000000001.json", BIG), "PUT", "/_log/"
 
@@ -120,7 +130,8 @@ def _copy(st):
 CASES = [  # (fault, client, operation): a fault, then the request passes (the policy test counts N in a row)
     ("500", "pyarrow", _get), ("503", "pyarrow", _get), ("503", "pyarrow", _get_small), ("500", "pyarrow", _put_file),
     ("503", "pyarrow", _put_file), ("500", "boto3", _put_record), ("503", "boto3", _put_record),
-    ("503", "boto3", _copy),
+    ("503", "boto3", _copy), ("500", "pyarrow", _put_multipart),  # (a small file is one PUT: _put_file)
+    ("lost-response", "pyarrow", _complete_multipart),  # the upload completed, its answer lost
     ("reset-response", "pyarrow", _get), ("reset-response", "boto3", _copy),  # mid-body, answer side
     ("reset-request", "pyarrow", _put_file), ("reset-request", "boto3", _put_record),  # mid-body, request side
     ("delay", "pyarrow", _get), ("delay", "boto3", _put_record),  # past the read timeout
