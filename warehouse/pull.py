@@ -14,7 +14,7 @@ from __future__ import annotations
 from common.errors import UserError
 
 from . import merge, query, schema, store
-from .storage import HashingStream, Storage, open_storage
+from .storage import HashingStream, Storage, open_storage, reading_once
 from .store import Checksum
 
 COPY_CHUNK = 8 << 20
@@ -42,6 +42,7 @@ def _copy(src: Storage, dest: Storage, rel: str, want: Checksum | None = None) -
     return h.size
 
 
+@reading_once
 def pull(src, dest, model: str | None = None, checkpoint: str | None = None, full: bool = False) -> dict:
     """Copy the state of warehouse `src` (restricted to `model`/`checkpoint`) into the new warehouse
     `dest`; returns {"entries", "files", "bytes"}."""

@@ -41,7 +41,7 @@ from common import faults
 from common.errors import UserError
 
 from . import merge, orphans, query, schema, store
-from .storage import Storage, StorageFault, open_storage, verify
+from .storage import Storage, StorageFault, open_storage, reading_once, verify
 from .store import Entry, Manifest
 
 GRACE_S = 3600.0  # default grace period: a file not listed must be at least this old to be quarantined
@@ -155,6 +155,7 @@ def _move(root: Storage, rel: str, stamp: str) -> bool:
     return True
 
 
+@reading_once
 def validate(root, fix: bool = False, grace_s: float = GRACE_S, say: Callable[[str], None] | None = None,
              now: float | None = None) -> list[str]:
     """Problems found (after fixing what `fix` can: lost or damaged merged tables, orphans (at once when

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from common.errors import UserError
 
-from ..storage import Storage, StorageFault, open_storage
+from ..storage import Storage, StorageFault, open_storage, reading_once
 from ..store import Manifest, partial_id
 
 from .commits import discard
@@ -81,6 +81,7 @@ def compare_tables(a: pa.Table, b: pa.Table, table: str) -> str | None:
     return None
 
 
+@reading_once
 def check(root, manifest: Manifest) -> list[tuple[str, str]]:
     """(merged key, problem) for groups that are stale or left over, or any of whose merged tables
     differs from a fresh merge of the partials it holds (pending ones aside) beyond TOLERANCES; compacted groups: layer counts

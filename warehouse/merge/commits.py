@@ -25,7 +25,7 @@ from common import faults
 from common.errors import UserError
 
 from .. import store
-from ..storage import UncertainWrite, open_storage
+from ..storage import UncertainWrite, open_storage, reading_once
 from ..store import Entry, Manifest
 from .coverage import check_disjoint, conflict_line, replacements
 from .fold import fold_group, relabel_group
@@ -180,6 +180,7 @@ def _discard_unless_committed(root, entries: list[Entry], exc: BaseException) ->
     discard(root, [{**e, "files": {t: f for t, f in e["files"].items() if f not in keep}} for e in entries])
 
 
+@reading_once
 def commit(root, entries: list[Entry], max_tries: int = 1000, replace: bool = False, fold: bool = True) -> list[str]:
     """Publish params and data entries in one commit record, with (`fold`) the merged entries of every
     group of their checkpoints, each holding all its partials — the pending ones of earlier commits
@@ -254,6 +255,7 @@ def commit(root, entries: list[Entry], max_tries: int = 1000, replace: bool = Fa
     raise UserError(f"{root}: gave up committing after {max_tries} tries (other writers kept committing first)")
 
 
+@reading_once
 def fold_pending(root, model: str | None = None, checkpoint: str | None = None, max_tries: int = 1000) -> int:
     """Fold every partial pending when it starts (of `model` / `checkpoint` if given) into its groups:
     one pass per group, one commit record; returns how many of them are folded at its end (by it or by
@@ -324,6 +326,7 @@ def publish_retrying(root, make) -> object:
         discard(root, new)
 
 
+@reading_once
 def rebuild(root, keys: list[str] | None = None) -> int:
     """Re-merge the given groups (default: every stale one) from their partials and commit them;
     returns how many were rebuilt.  Compacted checkpoints cannot be rebuilt (their vectors are gone)."""

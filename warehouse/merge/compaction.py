@@ -6,7 +6,7 @@ from common import faults
 from common.errors import UserError
 
 from .. import schema, store
-from ..storage import Storage, open_storage
+from ..storage import Storage, open_storage, reading_once
 from ..store import Manifest
 from .commits import publish_retrying, fold_pending
 from .groups import ALL, data_by_pair, expected_groups, pending_pairs, stale_groups
@@ -16,6 +16,7 @@ class _Pending(Exception):
     """A partial of the checkpoints arrived after their fold: fold again, then compact."""
 
 
+@reading_once
 def compact(root, model: str | None = None, checkpoint: str | None = None) -> dict:
     """Drop the per-partial vectors (token_sums, moments, samples, attention_sums) and the merge state (token_vectors,
     moments_merged, samples_merged) of the matching checkpoints, keeping every table a view reads.

@@ -25,7 +25,7 @@ from common.default_warehouse import DEFAULT_WAREHOUSE
 from common.errors import UserError
 
 from .. import merge
-from ..storage import open_storage, retry_policy
+from ..storage import open_storage, reading_once, retry_policy
 from .checks import PendingPartials, pending_line, verify_listed
 from .readonly import (READ_ONLY_SETTINGS, ReadOnlyConnection, ReadOnlyRelation, check_read_only, listed_paths,
                        read_only)
@@ -42,6 +42,7 @@ __all__ = ["connect", "sql", "view", "isoscore_star", "duckdb_error_line",
            "companions_current", "refresh_companions", "views_tag", "write_views_file"]
 
 
+@reading_once
 def connect(root=DEFAULT_WAREHOUSE) -> "ReadOnlyConnection":
     """An in-memory DuckDB connection with every view of the warehouse at `root` (a directory or
     s3://bucket/prefix), read-only: locked (`read_only`) and every statement checked

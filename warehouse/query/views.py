@@ -183,9 +183,12 @@ def base_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | Non
         files = bound_files(table, entries)
         cols = ", ".join(f'"{f.name}"' for f in arrow_schema)
         if files and via_arrow:  # paths and schema given: no file is opened or listed until a query reads it
-            con.register(f"_files_{table}", ds.FileSystemDataset.from_paths(
-                [st.path(f) for f in files], schema=_vector_schema(table, arrow_schema, entries),
-                format=ds.ParquetFileFormat(), filesystem=st.fs))
+            # (with the sizes their records give, a scan asks the store for no object's size: no HEAD)
+            sizes = {rel: c.get("size") for e in entries for rel, c in (e.get("checksums") or {}).items()}
+            fmt = ds.ParquetFileFormat()
+            con.register(f"_files_{table}", ds.FileSystemDataset(
+                [fmt.make_fragment(st.path(f), filesystem=st.fs, file_size=sizes.get(f)) for f in files],
+                schema=_vector_schema(table, arrow_schema, entries), format=fmt, filesystem=st.fs))
             src = f"SELECT {cols} FROM _files_{table}"
         elif files:
             file_list = "[" + ", ".join(file_literal(st.uri(f)) for f in files) + "]"

@@ -11,7 +11,7 @@ import shlex
 from common.errors import UserError
 
 from .. import store
-from ..storage import open_storage
+from ..storage import open_storage, reading_once
 from ..store import Manifest
 from .views import QUERIES_DIR, all_view_sql
 
@@ -24,10 +24,15 @@ def companions_current(root, manifest: Manifest) -> bool:
     st = open_storage(root)
     gen = manifest.get("generation", 0)
     tag = views_tag(manifest).encode()  # views.sql's first line: read only that much
-    return (st.exists(store.VIEWS_FILE) and st.read_bytes(store.VIEWS_FILE, len(tag)) == tag
-            and store.companion_generations(st) == (gen, gen))
+    try:
+        if st.read_bytes(store.VIEWS_FILE, len(tag)) != tag:
+            return False
+    except FileNotFoundError:
+        return False
+    return store.companion_generations(st) == (gen, gen)
 
 
+@reading_once
 def refresh_companions(root, strict: bool = True) -> Manifest:
     """Rewrite manifest.json, runs.parquet and views.sql if they are behind the commit log (a process
     died between the record and them, or two writers' companions landed out of order); returns the

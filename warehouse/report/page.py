@@ -15,7 +15,7 @@ import altair as alt
 from common.progress import progress
 
 from .. import store
-from ..storage import open_storage
+from ..storage import open_storage, reading_once
 from .charts import note_twins
 from .data import Data, Figure, Report
 from .registry import FIGURES
@@ -107,6 +107,7 @@ def _meta(d: Data, warehouse) -> dict:
     }
 
 
+@reading_once
 def build_report(warehouse: Path, out: Path, models: list[str] | None = None,
                  checkpoints: list[str] | None = None, png: bool = True) -> Report:
     warehouse, out = open_storage(warehouse, must_exist=True), Path(out)

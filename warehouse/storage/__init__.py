@@ -5,8 +5,8 @@ a path relative to it.  The two kinds differ only in how the three operations th
 needs are made atomic:
 
     operation            local directory (also NFS)                   S3
-    write a data file    temporary name, fsync, rename               one PUT (multipart: the object
-                                                                      appears only when complete)
+    write a data file    temporary name, fsync, rename               one PUT (a large one multipart): the
+                                                                      object appears only when complete
     replace a companion  temporary name, fsync, rename               one PUT
     create if absent     hard link of a complete temporary file      PUT with `If-None-Match: *`
                          (link() fails on an existing name)          (412 when the key exists)
@@ -15,6 +15,7 @@ needs are made atomic:
 - local.py      a local directory
 - s3.py         S3 (pyarrow.fs, and boto3 for the conditional PUT), its failures as one line each
 - s3_retry.py   the retry policy of both S3 clients (environment variables) and the failure lines
+- s3_reads.py   each committed S3 object read at most once per command (`reads_once`, `reading_once`)
 - checksums.py  blake2b checksums of stored files, verification against a record, `Checked` reads
 
 This package knows bytes and names only (not tables, not the manifest); warehouse.store builds on it.
@@ -30,10 +31,11 @@ from .base import Output, Storage, StorageFault, UncertainWrite
 from .checksums import HASH, HASH_CHUNK, Checked, HashingStream, MissingFile, checksum, verify
 from .local import LocalStorage, durable_temp
 from .s3 import S3Storage
+from .s3_reads import reading_once, reads_once
 from .s3_retry import RetryPolicy, describe_s3_error, retry_policy
 
 __all__ = ["open_storage", "Storage", "Output", "StorageFault", "UncertainWrite", "LocalStorage", "durable_temp",
-           "S3Storage", "describe_s3_error", "RetryPolicy", "retry_policy",
+           "S3Storage", "reads_once", "reading_once", "describe_s3_error", "RetryPolicy", "retry_policy",
            "HASH", "HASH_CHUNK", "HashingStream", "checksum", "MissingFile", "verify", "Checked"]
 
 _OPEN: dict[str, Storage] = {}  # one probed S3 storage per URL and process

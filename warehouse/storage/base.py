@@ -66,13 +66,16 @@ class Storage:
     def list_infos(self, prefix: str) -> list[tuple[str, int, float]]:
         """(rel path, size, modification time in seconds since the epoch) of every file below `prefix`."""
         with self._errors(prefix):
-            base = self.path(prefix)
-            if self.fs.get_file_info(base).type == pafs.FileType.NotFound:
-                return []
-            infos = self.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+            infos = self._below(self.path(prefix))
         strip = len(self.path("")) + (0 if self.path("").endswith("/") else 1)
         return sorted((i.path[strip:], i.size, i.mtime.timestamp() if i.mtime is not None else time.time())
                       for i in infos if i.type == pafs.FileType.File)
+
+    def _below(self, base: str) -> list[pafs.FileInfo]:
+        """Everything below directory `base` (a path in self.fs), [] if there is no such directory."""
+        if self.fs.get_file_info(base).type == pafs.FileType.NotFound:
+            return []
+        return self.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
 
     def parquet_file(self, rel: str, **kwargs) -> pq.ParquetFile:
         with self._errors(rel):

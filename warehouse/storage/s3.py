@@ -1,13 +1,14 @@
 """A warehouse at `s3://bucket/prefix` on any S3-compatible store.
 
-Data files go through pyarrow.fs (one multipart upload that appears only when complete); the
-conditional PUT that create-if-absent needs (`If-None-Match: *`, 412 when the key exists), deletes
-and server-side copies go through boto3.  Endpoint, keys and region come from the standard variables
+Data files go through pyarrow.fs (one PUT, or a multipart upload for a file larger than a part: the
+object appears only when complete); the conditional PUT that create-if-absent needs (`If-None-Match:
+*`, 412 when the key exists), deletes and server-side copies go through boto3.  Endpoint, keys and region come from the standard variables
 AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (AWS_SESSION_TOKEN), AWS_REGION (or
 AWS_DEFAULT_REGION); both clients retry transient faults by the policy of s3_retry.py.  Every S3
 failure left after the retries becomes one UserError line: cannot reach the endpoint, no such
 bucket, access denied, the store kept failing, or the store's own message.  A conditional PUT whose
-outcome is unknown (its answer lost) is settled by reading the record back.
+outcome is unknown (its answer lost) is settled by reading the record back.  Within a command each
+committed object is read at most once (s3_reads.py).
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from urllib.parse import urlparse
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from common import faults
 from common.errors import UserError
 
 from .base import Output, Storage, StorageFault, UncertainWrite
+from .s3_reads import ObjectCache, budget_bytes, immutable
 from .s3_retry import UNRETRIED_READ, describe_s3_error, first_line, is_transient, retry_policy
 
 
@@ -44,7 +47,8 @@ class S3Storage(Storage):
         self.endpoint = _env("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
         self.region = _env("AWS_REGION", "AWS_DEFAULT_REGION") or "us-east-1"
         self.policy = retry_policy()
-        kwargs = {"region": self.region, **self.policy.arrow_options()}
+        # allow_delayed_open: a file smaller than a part is one PUT when closed, not a multipart upload
+        kwargs = {"region": self.region, "allow_delayed_open": True, **self.policy.arrow_options()}
         if self.endpoint:
             kwargs["endpoint_override"] = self.endpoint
         key, secret = _env("AWS_ACCESS_KEY_ID"), _env("AWS_SECRET_ACCESS_KEY")
@@ -58,6 +62,7 @@ class S3Storage(Storage):
         except (OSError, ValueError, pa.ArrowException) as e:
             raise UserError(f"{self.url}: cannot set up S3 ({first_line(e)})") from None
         self._client = None
+        self._cache = ObjectCache(self.fs, budget_bytes(), scoped=True)  # committed objects, per read scope
         self.probe()
 
     def probe(self) -> None:
@@ -106,25 +111,73 @@ class S3Storage(Storage):
                     raise
             time.sleep(random.random() * min(2.0 ** (attempt - 1), 20.0))
 
+    # ---- reading: a committed object whole from this read scope's cache (s3_reads.py), else as stored
+    def _whole(self, rel: str) -> pa.Buffer | None:
+        """`rel` whole (fetched now, once per read scope), or None: not a committed object, no scope
+        open, or larger than the budget left — read it the usual way."""
+        if not immutable(rel):
+            return None
+
+        def fetch():
+            with self._errors(rel):
+                return self._cache.whole(self.path(rel))
+
+        return self._again(fetch)
+
+    @contextlib.contextmanager
+    def input_stream(self, rel: str):
+        buf = self._whole(rel)
+        if buf is None:
+            with super().input_stream(rel) as f:
+                yield f
+        else:
+            yield pa.BufferReader(buf)
+
     def read_bytes(self, rel: str, limit: int = -1) -> bytes:
+        buf = self._whole(rel)
+        if buf is not None:
+            return memoryview(buf)[: None if limit < 0 else limit].tobytes()
         return self._again(lambda: super(S3Storage, self).read_bytes(rel, limit))
 
     def exists(self, rel: str) -> bool:
+        try:
+            if self._whole(rel) is not None or self._cache.size(self.path(rel)) is not None:
+                return True
+        except FileNotFoundError:
+            return False
         return self._again(lambda: super(S3Storage, self).exists(rel))
 
     def size(self, rel: str) -> int:
+        known = self._cache.size(self.path(rel)) if immutable(rel) else None
+        if known is not None:
+            return known
         return self._again(lambda: super(S3Storage, self).size(rel))
 
     def list_infos(self, prefix: str) -> list[tuple[str, int, float]]:
         return self._again(lambda: super(S3Storage, self).list_infos(prefix))
 
+    def _below(self, base: str) -> list[pafs.FileInfo]:  # one listing (no HEAD and LIST to ask whether it exists)
+        return self.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+
     def parquet_file(self, rel: str, **kwargs):
+        buf = self._whole(rel)
+        if buf is not None:
+            with self._errors(rel):
+                return pq.ParquetFile(pa.BufferReader(buf), **kwargs)
         return self._again(lambda: super(S3Storage, self).parquet_file(rel, **kwargs))
 
     def read_table(self, rel: str, columns=None, filters=None) -> pa.Table:
+        buf = self._whole(rel)
+        if buf is not None:
+            with self._errors(rel):
+                return pq.read_table(pa.BufferReader(buf), columns=columns, filters=filters)
         return self._again(lambda: super(S3Storage, self).read_table(rel, columns, filters))
 
     def read_schema(self, rel: str) -> pa.Schema:
+        buf = self._whole(rel)
+        if buf is not None:
+            with self._errors(rel):
+                return pq.read_schema(pa.BufferReader(buf))
         return self._again(lambda: super(S3Storage, self).read_schema(rel))
 
     def _s3(self):
@@ -137,6 +190,7 @@ class S3Storage(Storage):
         return self._client
 
     def replace(self, rel: str, data: bytes) -> None:
+        self._cache.forget(self.path(rel))
         with self._errors(rel), self.fs.open_output_stream(self.path(rel)) as f:
             f.write(data)
 
@@ -180,18 +234,21 @@ class S3Storage(Storage):
         # boto3, not fs.delete_file: pyarrow leaves an empty "directory" object for the parent
         import botocore.exceptions as bx
 
+        self._cache.forget(self.path(rel))
         try:
             self._s3().delete_object(Bucket=self.bucket, Key=self._key(rel))  # no error if absent
         except (bx.BotoCoreError, bx.ClientError) as e:
             raise self._fail(e) from None
 
     def output(self, rel: str) -> Output:
+        self._cache.forget(self.path(rel))
         with self._errors(rel):
             return _S3Output(self, rel)
 
     def move(self, rel: str, dest: str) -> None:
         import botocore.exceptions as bx
 
+        self._cache.forget(self.path(dest))
         try:  # managed copy: CopyObject, or UploadPartCopy above its 5 GB limit (server side either way)
             self._s3().copy({"Bucket": self.bucket, "Key": self._key(rel)}, self.bucket, self._key(dest))
         except (bx.BotoCoreError, bx.ClientError) as e:
@@ -205,8 +262,9 @@ class _UnretriedRead(StorageFault):
 
 
 class _S3Output(Output):
-    """A multipart upload straight to the final key: the object exists only once it completes (a
-    killed process leaves an incomplete upload, never a partial object); abort deletes it."""
+    """One PUT when closed, or (a file larger than a part) a multipart upload, straight to the final
+    key: the object exists only once it completes (a killed process leaves no object, or an incomplete
+    upload, never a partial object); abort deletes it."""
 
     def __init__(self, storage: S3Storage, rel: str):
         self.storage, self.rel = storage, rel
