@@ -169,7 +169,11 @@ def test_partial_warehouse_draws_what_it_can(workdir, model_factory):
     assert "not drawn: Figure 1. Inter-Sim per layer: no token data" in err
 
 
-def test_model_and_checkpoint_filters(trained, workdir):
+def test_model_and_checkpoint_filters(monkeypatch, trained, workdir):
+    """The two figures the filters are checked on (drawn and explained), through the command line."""
+    from warehouse.report.paper_figures import fig_inter_sim_layers, fig_inter_sim_training
+
+    monkeypatch.setattr(rep_page, "FIGURES", [fig_inter_sim_layers, fig_inter_sim_training])
     out = workdir / "filtered-report"
     code, _, err = run_cli("report", "--warehouse", trained, "--out", out, "--model", "micro-untied", "--checkpoint", "step4")
     assert code == 0, err
@@ -187,6 +191,17 @@ def test_token_text_is_shown_as_text(monkeypatch, trained, workdir):
         return df.with_columns(pl.lit(evil).alias("token")) if "FROM intra_sim" in sql and "token" in df.columns else df
 
     monkeypatch.setattr(rep.Data, "q", q)
+    reads: list[str] = []  # the figures that show the per-token view's text: the ones drawn below
+    monkeypatch.setattr(rep.Data, "q", lambda self, sql: reads.append(sql) or q(self, sql))
+    d, shown = rep.Data(trained, None, None), []
+    for make in rep.FIGURES:
+        before = len(reads)
+        make(d)
+        if any("FROM intra_sim" in sql for sql in reads[before:]):
+            shown.append(make)
+    d.con.close()
+    assert shown
+    monkeypatch.setattr(rep_page, "FIGURES", shown)
     out = workdir / "evil-report"
     rep.build_report(trained, out, png=False)
     page = (out / "index.html").read_text()
