@@ -28,6 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
 
+import warehouse.query as query_package
 import warehouse.report as report_package
 from warehouse import store
 from warehouse.query import QUERIES_DIR
@@ -74,12 +75,14 @@ REPORT_KEY = "demo-report.json"  # in the report's directory: what it was drawn 
 
 def report_key(warehouse: Path) -> str:
     """What a report of `warehouse` depends on: the digest of its latest commit record (any commit
-    changes it), the report's and the views' source files, and the charting libraries' versions."""
+    changes it), the report's and the views' source files (warehouse/report, warehouse/query,
+    queries/*.sql), and the charting libraries' versions."""
     st = open_storage(warehouse)
     seqs = store.latest_seqs(st)
     h = hashlib.blake2b(digest_size=16)
     h.update(store.record_digest(store.read_record(st, seqs[-1])).encode() if seqs else b"empty")
-    code = sorted(Path(report_package.__file__).parent.glob("*.py")) + sorted(Path(QUERIES_DIR).glob("*.sql"))
+    code = [*sorted(Path(report_package.__file__).parent.glob("*.py")),
+            *sorted(Path(query_package.__file__).parent.glob("*.py")), *sorted(Path(QUERIES_DIR).glob("*.sql"))]
     for path in code:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     for lib in ("altair", "vl-convert-python"):
