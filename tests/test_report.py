@@ -185,15 +185,15 @@ def test_model_and_checkpoint_filters(monkeypatch, trained, workdir):
 def test_token_text_is_shown_as_text(monkeypatch, trained, workdir):
     evil = "<script>window.__pwned = 1</script><img src=x onerror=alert(1)>"
     real = rep.Data.q
+    reads: list[str] = []
 
     def q(self, sql):  # every read of the per-token view gets hostile token text
+        reads.append(sql)
         df = real(self, sql)
         return df.with_columns(pl.lit(evil).alias("token")) if "FROM intra_sim" in sql and "token" in df.columns else df
 
     monkeypatch.setattr(rep.Data, "q", q)
-    reads: list[str] = []  # the figures that show the per-token view's text: the ones drawn below
-    monkeypatch.setattr(rep.Data, "q", lambda self, sql: reads.append(sql) or q(self, sql))
-    d, shown = rep.Data(trained, None, None), []
+    d, shown = rep.Data(trained, None, None), []  # the figures that read the per-token view: the ones drawn
     for make in rep.FIGURES:
         before = len(reads)
         make(d)
