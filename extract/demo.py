@@ -12,17 +12,28 @@
 `DemoSettings()` is sized to finish in minutes on a small CPU machine while the curves across
 training still move; `FULL` is the larger run (more steps, a larger batch, more tokens per
 checkpoint).  Everything lands under one directory; running it again reuses what is done unless
-`force`.  `run_demo` returns each stage's seconds.
+`force`; the report too, while the warehouse's commit log and the report's code are what it was
+drawn from (`reports/demo-report.json` keeps that key and the counts).  `run_demo` returns each
+stage's seconds.
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
+import json
 import time
 from dataclasses import dataclass, replace
+from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 
+import warehouse.query as query_package
+import warehouse.report as report_package
+from warehouse import store
+from warehouse.query import QUERIES_DIR
 from warehouse.report import build_report
+from warehouse.storage import open_storage
 
 from .models import resolve_model
 from .run import Settings, extract
@@ -57,6 +68,40 @@ def example_queries(settings: DemoSettings) -> list[str]:
         "SELECT model, step, round(i_w, 4) AS i_w FROM isotropy "
         "WHERE matrix = 'unembedding' AND NOT centered ORDER BY model, step;",
     ]
+
+
+REPORT_KEY = "demo-report.json"  # in the report's directory: what it was drawn from, and its counts
+
+
+def report_key(warehouse: Path) -> str:
+    """What a report of `warehouse` depends on: the digest of its latest commit record (any commit
+    changes it), the report's and the views' source files (warehouse/report, warehouse/query,
+    queries/*.sql), and the charting libraries' versions."""
+    st = open_storage(warehouse)
+    seqs = store.latest_seqs(st)
+    h = hashlib.blake2b(digest_size=16)
+    h.update(store.record_digest(store.read_record(st, seqs[-1])).encode() if seqs else b"empty")
+    code = [*sorted(Path(report_package.__file__).parent.glob("*.py")),
+            *sorted(Path(query_package.__file__).parent.glob("*.py")), *sorted(Path(QUERIES_DIR).glob("*.sql"))]
+    for path in code:
+        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for lib in ("altair", "vl-convert-python"):
+        try:
+            h.update(f"{lib} {metadata.version(lib)}".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{lib} none".encode())
+    return h.hexdigest()
+
+
+def kept_report(reports: Path, key: str) -> dict | None:
+    """The counts of the report under `reports` if it was drawn from `key` and its page is there."""
+    try:
+        kept = json.loads((reports / REPORT_KEY).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(kept, dict) or kept.get("key") != key or not (reports / "index.html").is_file():
+        return None
+    return kept
 
 
 def run_demo(root: Path, settings: DemoSettings, log=print) -> dict:
@@ -101,9 +146,18 @@ def run_demo(root: Path, settings: DemoSettings, log=print) -> dict:
     finally:
         gc.unfreeze()
     t = time.perf_counter()
-    log(f"demo: report, {t - t0:.0f} s in")
-    report = build_report(warehouse, reports)
+    key = report_key(warehouse)
+    kept = None if settings.force else kept_report(reports, key)
+    if kept is not None:
+        log(f"demo: report: {reports / 'index.html'} was drawn from this warehouse as it is now; kept")
+    else:
+        log(f"demo: report, {t - t0:.0f} s in")
+        report = build_report(warehouse, reports)
+        kept = {"key": key, "drawn": len(report.drawn), "figures": len(report.figures),
+                "missing": [[f.title, f.missing] for f in report.missing]}
+        store.atomic_write_bytes(reports, REPORT_KEY, json.dumps(kept).encode())  # after the page: it names it
     stage("report", t)
     return {"warehouse": warehouse, "report": reports / "index.html", "stages": stages,
             "seconds": time.perf_counter() - t0, "queries": example_queries(settings),
-            "drawn": len(report.drawn), "figures": len(report.figures), "missing": report.missing}
+            "drawn": kept["drawn"], "figures": kept["figures"],
+            "missing": [SimpleNamespace(title=title, missing=why) for title, why in kept["missing"]]}

@@ -82,6 +82,30 @@ def train_tokenizer(texts: list[str], vocab: int):
                                    pad_token="<|padding|>", model_max_length=10**6)
 
 
+_TOKENIZED: dict = {}  # the last (source, fingerprint, vocab, max_documents) → (tokenizer, token stream): models trained
+# in turn on one source (the demo's tied and untied) share them
+
+
+def tokenized(source: Source, source_fingerprint: str, vocab: int, max_documents: int | None):
+    """(tokenizer trained on the source's documents, their token ids with EOS after each (N,) int64);
+    the last one is kept for the next model on the same source (the result is deterministic)."""
+    key = (repr(source), source_fingerprint, vocab, max_documents)
+    if key not in _TOKENIZED:
+        texts = [t for t in documents(source, (1, 1), ReadStats())]
+        if max_documents:
+            texts = texts[: max_documents]
+        if not texts:
+            raise UserError(f"--source {source.name}: no documents to train on")
+        tok = train_tokenizer(texts, vocab)
+        stream = []
+        for ids in tok(texts, add_special_tokens=False)["input_ids"]:
+            stream.extend(ids)
+            stream.append(tok.eos_token_id)
+        _TOKENIZED.clear()
+        _TOKENIZED[key] = (tok, torch.tensor(stream, dtype=torch.long))  # (N,)
+    return _TOKENIZED[key]
+
+
 def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint: str, log=print,
           probe: Probe | None = None, save: bool = True) -> dict:
     """Train (or reuse) one micro model; returns the train.json record.  `probe`: isotropy at every
@@ -109,18 +133,8 @@ def train(source: Source, out: Path, settings: TrainSettings, source_fingerprint
         log(f"{out}: already trained with these settings; reusing it")
         return json.loads((out / "train.json").read_text())
     torch.manual_seed(settings.seed)
-    texts = [t for t in documents(source, (1, 1), ReadStats())]
-    if settings.max_documents:
-        texts = texts[: settings.max_documents]
-    if not texts:
-        raise UserError(f"--source {source.name}: no documents to train on")
-    tok = train_tokenizer(texts, settings.vocab)
+    tok, data = tokenized(source, source_fingerprint, settings.vocab, settings.max_documents)
     eos = tok.eos_token_id
-    stream = []
-    for ids in tok(texts, add_special_tokens=False)["input_ids"]:
-        stream.extend(ids)
-        stream.append(eos)
-    data = torch.tensor(stream, dtype=torch.long)  # (N,)
     if len(data) <= settings.context + 1:
         raise UserError(f"--source {source.name}: {len(data)} tokens is too little for --context {settings.context}")
     config = GPTNeoXConfig(

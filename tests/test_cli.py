@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, fork_run, run_cli
 from warehouse.query import connect
 
 
@@ -197,10 +197,18 @@ def test_a_default_extract_leaves_the_checkout_clean(tmp_path, model_factory, so
     git("add", "-A", cwd=copy)
     assert git("commit", "-qm", "copy", cwd=copy).returncode == 0
     env = {k: v for k, v in os.environ.items() if k != "ISOTROPY_WAREHOUSE"}
-    run = subprocess.run([sys.executable, "cli.py", "extract", "--model", str(model_factory("gpt_neox")),
-                          "--source", f"alpha={sources['alpha']}", "--max-tokens", "200"],
-                         cwd=copy, capture_output=True, text=True, timeout=300, env={**env, "HF_HUB_OFFLINE": "1"})
+
+    def package_files():  # the source tree the forked child's modules come from: it must not be written either
+        return sorted(p for d in ("warehouse", "extract", "common", "isotropy_warehouse") for p in (ROOT / d).rglob("*")
+                      if "__pycache__" not in p.parts)
+
+    before = package_files()
+    # forked (tests/zygote.py): the child's working directory is the subject, and it runs the copy's cli.py
+    run = fork_run([sys.executable, "cli.py", "extract", "--model", str(model_factory("gpt_neox")),
+                    "--source", f"alpha={sources['alpha']}", "--max-tokens", "200"],
+                   cwd=copy, capture_output=True, text=True, timeout=300, env={**env, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
+    assert package_files() == before
     assert "warehouse: isotropy-warehouse" in run.stderr and (copy / "isotropy-warehouse" / "views.sql").is_file()
     assert git("status", "--porcelain", "--untracked-files=all", cwd=copy).stdout == ""
     ignored = git("status", "--porcelain", "--ignored", "--untracked-files=all", cwd=copy).stdout.splitlines()

@@ -99,7 +99,7 @@ def test_train_rejects_bad_settings(workdir, sources):
 
 def test_demo_end_to_end_and_reuse(workdir):
     out = workdir / "demo"
-    args = ["demo", "--dir", out, "--steps", 4, "--save-every", 2, "--max-tokens", 1500]
+    args = ["demo", "--dir", out, "--steps", 4, "--save-every", 2, "--batch-size", 2, "--max-tokens", 500]
     code, stdout, err = run_cli(*args)
     assert code == 0, err
     con = connect(out / "warehouse")
@@ -121,10 +121,15 @@ def test_demo_end_to_end_and_reuse(workdir):
     assert abs(total - sum(float(s) for _, s in stages)) <= 3  # the stages are the whole run
     runs = con.execute("SELECT run_id FROM runs ORDER BY ALL").fetchall()
     shutil.copytree(out / "models" / "micro-tied" / "step2", out / "models" / "micro-tied" / "step9")  # another run's
+    page = (out / "reports" / "index.html").read_bytes()
     code, stdout, err = run_cli(*args)  # again: nothing retrained or re-extracted, only this run's steps
     assert code == 0, err
     assert err.count("reusing it") == 2 and err.count("skipped") == 7
     assert connect(out / "warehouse").execute("SELECT run_id FROM runs ORDER BY ALL").fetchall() == runs
+    # nor redrawn: the warehouse is as the report saw it (its counts as the first run printed them)
+    assert "was drawn from this warehouse as it is now; kept" in err and "demo: report," not in err
+    assert (out / "reports" / "index.html").read_bytes() == page
+    assert f"{len(FIGURES)} of {len(FIGURES)} figures" in stdout
 
 
 def test_demo_sizes_full_and_their_help():

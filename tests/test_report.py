@@ -169,7 +169,11 @@ def test_partial_warehouse_draws_what_it_can(workdir, model_factory):
     assert "not drawn: Figure 1. Inter-Sim per layer: no token data" in err
 
 
-def test_model_and_checkpoint_filters(trained, workdir):
+def test_model_and_checkpoint_filters(monkeypatch, trained, workdir):
+    """The two figures the filters are checked on (drawn and explained), through the command line."""
+    from warehouse.report.paper_figures import fig_inter_sim_layers, fig_inter_sim_training
+
+    monkeypatch.setattr(rep_page, "FIGURES", [fig_inter_sim_layers, fig_inter_sim_training])
     out = workdir / "filtered-report"
     code, _, err = run_cli("report", "--warehouse", trained, "--out", out, "--model", "micro-untied", "--checkpoint", "step4")
     assert code == 0, err
@@ -181,12 +185,23 @@ def test_model_and_checkpoint_filters(trained, workdir):
 def test_token_text_is_shown_as_text(monkeypatch, trained, workdir):
     evil = "<script>window.__pwned = 1</script><img src=x onerror=alert(1)>"
     real = rep.Data.q
+    reads: list[str] = []
 
     def q(self, sql):  # every read of the per-token view gets hostile token text
+        reads.append(sql)
         df = real(self, sql)
         return df.with_columns(pl.lit(evil).alias("token")) if "FROM intra_sim" in sql and "token" in df.columns else df
 
     monkeypatch.setattr(rep.Data, "q", q)
+    d, shown = rep.Data(trained, None, None), []  # the figures that read the per-token view: the ones drawn
+    for make in rep.FIGURES:
+        before = len(reads)
+        make(d)
+        if any("FROM intra_sim" in sql for sql in reads[before:]):
+            shown.append(make)
+    d.con.close()
+    assert shown
+    monkeypatch.setattr(rep_page, "FIGURES", shown)
     out = workdir / "evil-report"
     rep.build_report(trained, out, png=False)
     page = (out / "index.html").read_text()
