@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from common import faults
 from common.errors import UserError
 
-from .base import Output, Storage, StorageFault, UncertainWrite
+from .base import Output, Storage, StorageFault, UncertainWrite, read_parquet
 from .s3_reads import ObjectCache, budget_bytes, immutable
 from .s3_retry import UNRETRIED_READ, describe_s3_error, first_line, is_transient, retry_policy
 
@@ -170,7 +170,7 @@ class S3Storage(Storage):
         buf = self._whole(rel)
         if buf is not None:
             with self._errors(rel):
-                return pq.read_table(pa.BufferReader(buf), columns=columns, filters=filters)
+                return read_parquet(pq.ParquetFile(pa.BufferReader(buf)), columns, filters)
         return self._again(lambda: super(S3Storage, self).read_table(rel, columns, filters))
 
     def read_schema(self, rel: str) -> pa.Schema:
