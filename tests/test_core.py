@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file
 
 import reference as ref
+from common.errors import UserError
 from conftest import run_cli
 from warehouse.query import connect, load_metrics, sql as polars_sql
 
@@ -226,6 +227,37 @@ def test_every_query_header_matches_its_columns(core):
         assert cols == list(metric.columns), metric.path
         text = metric.path.read_text()
         assert "-- Formula:" in text and "-- Inputs:" in text
+
+
+def test_a_connection_of_some_views_has_those_and_their_inputs_and_the_same_rows(core):
+    """connect(wh, views=[…]) binds each named view and what it reads (by the headers' Inputs), nothing
+    else, and each view's rows equal the full connection's; `sql()` and `cli.py sql` open only what a
+    query reads, and every view for a catalogue query or a name that is no view."""
+    from warehouse.query import view_closure, views_read
+
+    VIEW_NAMES = "SELECT view_name FROM duckdb_views() WHERE NOT internal AND left(view_name, 1) <> '_'"
+
+    full = connect(core["wh"])
+    for metric in load_metrics():
+        con = connect(core["wh"], views=[metric.name])
+        bound = {r[0] for r in con.sql(VIEW_NAMES).fetchall()}
+        assert bound == view_closure([metric.name]) and set(metric.inputs) <= bound, metric.name
+        query = f"SELECT * FROM {metric.name}"
+        assert sorted(map(repr, con.sql(query).fetchall())) == sorted(map(repr, full.sql(query).fetchall()))
+        con.close()
+    every = {r[0] for r in full.sql(VIEW_NAMES).fetchall()}
+    full.close()
+    assert views_read("WITH s AS (SELECT * FROM inter_sim) SELECT * FROM s, main.runs") == {"inter_sim", "runs"}
+    for query in ("SHOW TABLES", "SELECT * FROM duckdb_views()", "SELECT 1", "SELECT * FROM nope, inter_sim",
+                  "SELECT * FROM information_schema.tables"):
+        assert views_read(query) is None, query
+    code, out, _ = run_cli("sql", VIEW_NAMES, "-w", core["wh"],
+                           "--format", "csv")
+    assert code == 0 and set(out.split()[1:]) == every
+    code, out, _ = run_cli("sql", "SELECT count(*) AS n FROM inter_sim", "-w", core["wh"], "--format", "csv")
+    assert code == 0 and out.split() == ["n", "8"]
+    with pytest.raises(UserError, match="no such view: nope"):
+        connect(core["wh"], views=["inter_sim", "nope"])
 
 
 def test_views_reference_is_generated_from_the_query_headers():

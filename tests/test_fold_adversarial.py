@@ -92,7 +92,7 @@ def _invariants(root: Path) -> None:
     pending_ids = {merge.partial_id(e) for todo in merge.pending(manifest).values() for e in todo}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PendingPartials)
-        con = connect(root)
+        con = connect(root, views=["runs"])
     rows = con.execute("SELECT run_id, model, checkpoint, source, shard, folded FROM runs WHERE kind = 'data'").fetchall()
     con.close()
     by_run = {e["run_id"]: e for e in manifest["entries"].values() if e["kind"] == "data"}

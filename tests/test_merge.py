@@ -68,7 +68,7 @@ def close(a, b, rtol=1e-9):
 
 
 def check_against(root: Path, want: dict) -> None:
-    con = connect(root)
+    con = connect(root, views=["intra_sim", "layer_metrics", "layer_norms", "frequency_buckets", "token_stats"])
     for group, w in want.items():
         got = {(r[0], r[1]): (r[2], r[3]) for r in con.execute(
             "SELECT layer, token_id, n, sum_sq FROM token_stats WHERE source = ? AND checkpoint = 'c'", [group]).fetchall()}
@@ -242,10 +242,10 @@ def test_validate_finds_a_wrong_merged_table_and_fixes_it(tmp_path):
 
 
 def _snapshot(root: Path) -> dict:
-    con = connect(root)
     views = ["inter_sim", "inter_sim_by_source", "intra_sim", "avg_intra_sim", "inter_sim_by_frequency",
              "inter_sim_types", "dim_contrib", "drift", "intra_sentence_sim", "anisotropy", "linearity",
              "intrinsic_dim", "isoscore", "qk_sums", "qk_geometry_by_source", "qk_direction", "attention_sink"]
+    con = connect(root, views=views)
     out = {v: sorted(tuple(round(x, 12) if isinstance(x, float) else x for x in r)
                      for r in con.execute(f"SELECT * FROM {v}").fetchall()) for v in views}
     con.close()

@@ -31,7 +31,7 @@ AFTER_COMMIT = {"views", "gc"}
 
 
 def snapshot(wh: Path) -> dict:
-    con = connect(wh)
+    con = connect(wh, views=[*VIEWS, "runs"])
     out = {v: sorted(tuple(round(x, 9) if isinstance(x, float) else x for x in r)
                      for r in con.execute(f"SELECT * FROM {v}").fetchall()) for v in VIEWS}
     out["runs"] = sorted(con.execute("SELECT kind, model, checkpoint, source, shard, tokens FROM runs "

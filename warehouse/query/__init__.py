@@ -30,7 +30,8 @@ from .checks import PendingPartials, pending_line, verify_listed
 from .readonly import (READ_ONLY_SETTINGS, ReadOnlyConnection, ReadOnlyRelation, check_read_only, listed_paths,
                        read_only)
 from .views import (BASE_VIEWS, QUERIES_DIR, Metric, all_view_sql, base_view_sql, bound_files, file_literal,
-                    glob_escaped, glob_unescaped, load_metrics, sql_literal, views_reference)
+                    glob_escaped, glob_unescaped, load_metrics, sql_literal, view_closure, views_read,
+                    views_reference)
 from .views_file import companions_current, refresh_companions, views_tag, write_views_file
 
 __all__ = ["connect", "sql", "view", "isoscore_star", "duckdb_error_line",
@@ -38,16 +39,20 @@ __all__ = ["connect", "sql", "view", "isoscore_star", "duckdb_error_line",
            "READ_ONLY_SETTINGS", "ReadOnlyConnection", "ReadOnlyRelation", "check_read_only", "listed_paths",
            "read_only",
            "BASE_VIEWS", "QUERIES_DIR", "Metric", "all_view_sql", "base_view_sql", "bound_files", "file_literal",
-           "glob_escaped", "glob_unescaped", "load_metrics", "sql_literal", "views_reference",
+           "glob_escaped", "glob_unescaped", "load_metrics", "sql_literal", "view_closure", "views_read",
+           "views_reference",
            "companions_current", "refresh_companions", "views_tag", "write_views_file"]
 
 
 @reading_once
-def connect(root=DEFAULT_WAREHOUSE) -> "ReadOnlyConnection":
+def connect(root=DEFAULT_WAREHOUSE, views=None) -> "ReadOnlyConnection":
     """An in-memory DuckDB connection with every view of the warehouse at `root` (a directory or
     s3://bucket/prefix), read-only: locked (`read_only`) and every statement checked
     (`ReadOnlyConnection`).  Use it as a DuckDBPyConnection: `connect(wh).execute(q).pl()`.  Partials
-    committed but not folded yet are not in the views: a `PendingPartials` warning says so."""
+    committed but not folded yet are not in the views: a `PendingPartials` warning says so.
+
+    `views`: only these views and the views they read (binding each view is most of the cost of
+    opening; a program that reads a few opens faster), e.g. `connect(wh, views=["inter_sim"])`."""
     root = open_storage(root, must_exist=True)
     manifest = refresh_companions(root, strict=False)
     stale, extra = merge.stale_groups(manifest)
@@ -58,9 +63,10 @@ def connect(root=DEFAULT_WAREHOUSE) -> "ReadOnlyConnection":
     if line:
         warnings.warn(PendingPartials(line), stacklevel=2)
     verify_listed(root, manifest)
+    only = None if views is None else view_closure([views] if isinstance(views, str) else views)
     con = duckdb.connect()
     try:
-        for stmt in all_view_sql(root, manifest, con):
+        for stmt in all_view_sql(root, manifest, con, only):
             con.execute(stmt)
     except duckdb.Error as e:
         con.close()
@@ -87,7 +93,7 @@ def sql(query: str, warehouse: str | Path = DEFAULT_WAREHOUSE):
     Example: sql("SELECT * FROM inter_sim ORDER BY model, layer", "warehouse")
     """
     check_read_only(query)
-    con = connect(warehouse)
+    con = connect(warehouse, views=views_read(query))
     try:
         return con.sql(query).pl()
     except duckdb.Error as e:

@@ -22,6 +22,8 @@ from pathlib import Path
 import duckdb
 import pyarrow.dataset as ds
 
+from common.errors import UserError
+
 from .. import schema, store
 from ..storage import open_storage
 from ..store import Entry, Manifest
@@ -171,14 +173,18 @@ def _vector_schema(table: str, arrow_schema, entries: list[Entry]):
     return arrow_schema.set(i, arrow_schema.field(i).with_type(schema.vector_type(widest)))
 
 
-def base_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | None = None) -> list[str]:
-    """CREATE VIEW statements of the base tables over the files the manifest lists.  Local files and
-    views.sql: read_parquet of the paths / s3:// URLs, glob characters escaped (`file_literal`).  With `con` and a warehouse on S3: each table
-    is a pyarrow dataset over the S3 filesystem, registered in `con` (no DuckDB extension needed)."""
+def base_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | None = None,
+                  only: set[str] | None = None) -> list[str]:
+    """CREATE VIEW statements of the base tables over the files the manifest lists (`only`: of those
+    tables alone).  Local files and views.sql: read_parquet of the paths / s3:// URLs, glob characters
+    escaped (`file_literal`).  With `con` and a warehouse on S3: each table is a pyarrow dataset over
+    the S3 filesystem, registered in `con` (no DuckDB extension needed)."""
     st = open_storage(root)
     via_arrow = con is not None and not st.local
     statements = []
     for table, arrow_schema in schema.TABLES.items():
+        if only is not None and table not in only:
+            continue
         entries = [e for e in manifest["entries"].values() if table in e["files"]]
         files = bound_files(table, entries)
         cols = ", ".join(f'"{f.name}"' for f in arrow_schema)
@@ -198,22 +204,60 @@ def base_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | Non
                 f'CAST(NULL AS {schema.duckdb_type(f.type)}) AS "{f.name}"' for f in arrow_schema
             ) + " WHERE false"
         statements.append(f"CREATE OR REPLACE VIEW {table} AS {src};")
-    if con is not None:  # a Python connection: the runs of this very manifest, in memory
-        con.register("_runs", store.runs_table(manifest))
-        statements.append("CREATE OR REPLACE VIEW runs AS SELECT * FROM _runs;")
-    elif manifest["entries"]:
-        statements.append(
-            f"CREATE OR REPLACE VIEW runs AS SELECT * FROM read_parquet({file_literal(st.uri(store.RUNS_FILE))});")
-    else:
-        statements.append(
-            "CREATE OR REPLACE VIEW runs AS SELECT " + ", ".join(
-                f"CAST(NULL AS {schema.duckdb_type(f.type)}) AS {f.name}" for f in schema.RUNS
-            ) + " WHERE false;"
-        )
+    if only is None or "runs" in only:
+        statements.append(_runs_view_sql(st, manifest, con))
     return statements
 
 
-def all_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | None = None) -> list[str]:
-    return base_view_sql(root, manifest, con) + [
-        f"CREATE OR REPLACE VIEW {m.name} AS\n{m.body};" for m in load_metrics()
+def _runs_view_sql(st, manifest: Manifest, con) -> str:
+    if con is not None:  # a Python connection: the runs of this very manifest, in memory
+        con.register("_runs", store.runs_table(manifest))
+        return "CREATE OR REPLACE VIEW runs AS SELECT * FROM _runs;"
+    if manifest["entries"]:
+        return f"CREATE OR REPLACE VIEW runs AS SELECT * FROM read_parquet({file_literal(st.uri(store.RUNS_FILE))});"
+    return "CREATE OR REPLACE VIEW runs AS SELECT " + ", ".join(
+        f"CAST(NULL AS {schema.duckdb_type(f.type)}) AS {f.name}" for f in schema.RUNS) + " WHERE false;"
+
+
+def view_closure(names) -> set[str]:
+    """`names` and every view they read, transitively (by the `Inputs:` of the metrics' headers); a name
+    that is no view is one UserError line."""
+    metrics = {m.name: m for m in load_metrics()}
+    known = set(BASE_VIEWS) | set(metrics)
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise UserError(f"no such view: {', '.join(unknown)} (the views: docs/views.md)")
+    out, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in out:
+            out.add(name)
+            todo.extend(metrics[name].inputs if name in metrics else ())
+    return out
+
+
+def views_read(query: str) -> set[str] | None:
+    """The views a SELECT reads when it reads nothing else (parsed, not bound); None when it reads
+    a name that is no view, a table function or the catalogue (`SHOW`, `duckdb_views()`, …), or
+    nothing at all: such a query needs a connection with every view."""
+    if _CATALOGUE.search(query):
+        return None
+    try:
+        names = duckdb.get_table_names(query, qualified=False)
+    except duckdb.Error:
+        return None
+    known = set(BASE_VIEWS) | {m.name for m in load_metrics()}
+    return set(names) if names and set(names) <= known else None
+
+
+_CATALOGUE = re.compile(r"\b(show|describe|summarize|pragma|information_schema|pg_catalog|sqlite_master|duckdb_\w+)\b",
+                        re.IGNORECASE)
+
+
+def all_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | None = None,
+                 only=None) -> list[str]:
+    """Every view's CREATE statement, inputs first; `only`: those views and the views they read."""
+    needed = None if only is None else view_closure(only)
+    return base_view_sql(root, manifest, con, needed) + [
+        f"CREATE OR REPLACE VIEW {m.name} AS\n{m.body};" for m in load_metrics() if needed is None or m.name in needed
     ]
