@@ -249,7 +249,7 @@ def test_a_connection_of_some_views_has_those_and_their_inputs_and_the_same_rows
     full.close()
     assert views_read("WITH s AS (SELECT * FROM inter_sim) SELECT * FROM s, main.runs") == {"inter_sim", "runs"}
     for query in ("SHOW TABLES", "SELECT * FROM duckdb_views()", "SELECT 1", "SELECT * FROM nope, inter_sim",
-                  "SELECT * FROM information_schema.tables"):
+                  "SELECT * FROM information_schema.tables", "SELECT * FROM pragma_table_info('inter_sim'), runs"):
         assert views_read(query) is None, query
     code, out, _ = run_cli("sql", VIEW_NAMES, "-w", core["wh"],
                            "--format", "csv")

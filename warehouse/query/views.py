@@ -250,8 +250,8 @@ def views_read(query: str) -> set[str] | None:
     return set(names) if names and set(names) <= known else None
 
 
-_CATALOGUE = re.compile(r"\b(show|describe|summarize|pragma|information_schema|pg_catalog|sqlite_master|duckdb_\w+)\b",
-                        re.IGNORECASE)
+_CATALOGUE = re.compile(r"\b(show|describe|summarize|pragma\w*|information_schema|pg_\w+|sqlite_\w+|duckdb_\w+)\b",
+                        re.IGNORECASE)  # statements and table functions that list or describe the catalogue
 
 
 def all_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | None = None,
