@@ -247,7 +247,9 @@ def test_a_connection_of_some_views_has_those_and_their_inputs_and_the_same_rows
         con.close()
     every = {r[0] for r in full.sql(VIEW_NAMES).fetchall()}
     full.close()
-    assert views_read("WITH s AS (SELECT * FROM inter_sim) SELECT * FROM s, main.runs") == {"inter_sim", "runs"}
+    assert views_read("WITH s AS (SELECT * FROM inter_sim) SELECT * FROM s, main.RUNS") == {"inter_sim", "runs"}
+    replace = "SELECT * REPLACE ((SELECT count(*) FROM inter_sim) AS model) FROM runs"  # (not in the parser's list)
+    assert views_read(replace) == {"inter_sim", "runs"} and len(polars_sql(replace, core["wh"])) > 0
     for query in ("SHOW TABLES", "SELECT * FROM duckdb_views()", "SELECT 1", "SELECT * FROM nope, inter_sim",
                   "SELECT * FROM information_schema.tables", "SELECT * FROM pragma_table_info('inter_sim'), runs"):
         assert views_read(query) is None, query

@@ -224,6 +224,7 @@ def view_closure(names) -> set[str]:
     that is no view is one UserError line."""
     metrics = {m.name: m for m in load_metrics()}
     known = set(BASE_VIEWS) | set(metrics)
+    names = [n.lower() for n in names]  # DuckDB's names ignore case
     unknown = sorted(set(names) - known)
     if unknown:
         raise UserError(f"no such view: {', '.join(unknown)} (the views: docs/views.md)")
@@ -243,11 +244,15 @@ def views_read(query: str) -> set[str] | None:
     if _CATALOGUE.search(query):
         return None
     try:
-        names = duckdb.get_table_names(query, qualified=False)
+        names = {n.lower() for n in duckdb.get_table_names(query, qualified=False)}  # (names ignore case)
     except duckdb.Error:
         return None
     known = set(BASE_VIEWS) | {m.name for m in load_metrics()}
-    return set(names) if names and set(names) <= known else None
+    if not names or not names <= known:
+        return None
+    # and every view named anywhere in the text: the parser's list misses some places (a subquery inside
+    # `* REPLACE (…)`); a name in a string or a comment only binds a view more
+    return names | ({w.lower() for w in re.findall(r"\w+", query)} & known)
 
 
 _CATALOGUE = re.compile(r"\b(show|describe|summarize|pragma\w*|information_schema|pg_\w+|sqlite_\w+|duckdb_\w+)\b",
