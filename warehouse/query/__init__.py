@@ -30,8 +30,8 @@ from .checks import PendingPartials, pending_line, verify_listed
 from .readonly import (READ_ONLY_SETTINGS, ReadOnlyConnection, ReadOnlyRelation, check_read_only, listed_paths,
                        read_only)
 from .views import (BASE_VIEWS, QUERIES_DIR, Metric, all_view_sql, base_view_sql, bound_files, file_literal,
-                    glob_escaped, glob_unescaped, load_metrics, sql_literal, view_closure, views_read,
-                    views_reference)
+                    glob_escaped, glob_unescaped, load_metrics, sql_literal, view_closure, view_names,
+                    views_read, views_reference)
 from .views_file import companions_current, refresh_companions, views_tag, write_views_file
 
 __all__ = ["connect", "sql", "view", "isoscore_star", "duckdb_error_line",
@@ -39,8 +39,8 @@ __all__ = ["connect", "sql", "view", "isoscore_star", "duckdb_error_line",
            "READ_ONLY_SETTINGS", "ReadOnlyConnection", "ReadOnlyRelation", "check_read_only", "listed_paths",
            "read_only",
            "BASE_VIEWS", "QUERIES_DIR", "Metric", "all_view_sql", "base_view_sql", "bound_files", "file_literal",
-           "glob_escaped", "glob_unescaped", "load_metrics", "sql_literal", "view_closure", "views_read",
-           "views_reference",
+           "glob_escaped", "glob_unescaped", "load_metrics", "sql_literal", "view_closure", "view_names",
+           "views_read", "views_reference",
            "companions_current", "refresh_companions", "views_tag", "write_views_file"]
 
 

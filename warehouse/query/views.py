@@ -219,13 +219,17 @@ def _runs_view_sql(st, manifest: Manifest, con) -> str:
         f"CAST(NULL AS {schema.duckdb_type(f.type)}) AS {f.name}" for f in schema.RUNS) + " WHERE false;"
 
 
+def view_names() -> set[str]:
+    """Every view's name: the base tables, `runs` and the metrics of queries/."""
+    return set(BASE_VIEWS) | {m.name for m in load_metrics()}
+
+
 def view_closure(names) -> set[str]:
     """`names` and every view they read, transitively (by the `Inputs:` of the metrics' headers); a name
     that is no view is one UserError line."""
     metrics = {m.name: m for m in load_metrics()}
-    known = set(BASE_VIEWS) | set(metrics)
     names = [n.lower() for n in names]  # DuckDB's names ignore case
-    unknown = sorted(set(names) - known)
+    unknown = sorted(set(names) - view_names())
     if unknown:
         raise UserError(f"no such view: {', '.join(unknown)} (the views: docs/views.md)")
     out, todo = set(), list(names)
@@ -247,7 +251,7 @@ def views_read(query: str) -> set[str] | None:
         names = {n.lower() for n in duckdb.get_table_names(query, qualified=False)}  # (names ignore case)
     except duckdb.Error:
         return None
-    known = set(BASE_VIEWS) | {m.name for m in load_metrics()}
+    known = view_names()
     if not names or not names <= known:
         return None
     # and every view named anywhere in the text: the parser's list misses some places (a subquery inside
@@ -260,9 +264,9 @@ _CATALOGUE = re.compile(r"\b(show|describe|summarize|pragma\w*|information_schem
 
 
 def all_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | None = None,
-                 only=None) -> list[str]:
-    """Every view's CREATE statement, inputs first; `only`: those views and the views they read."""
-    needed = None if only is None else view_closure(only)
-    return base_view_sql(root, manifest, con, needed) + [
-        f"CREATE OR REPLACE VIEW {m.name} AS\n{m.body};" for m in load_metrics() if needed is None or m.name in needed
+                 only: set[str] | None = None) -> list[str]:
+    """Every view's CREATE statement, inputs first; `only`: of those views alone (a `view_closure`, so
+    that each view's inputs are among them)."""
+    return base_view_sql(root, manifest, con, only) + [
+        f"CREATE OR REPLACE VIEW {m.name} AS\n{m.body};" for m in load_metrics() if only is None or m.name in only
     ]
