@@ -135,8 +135,8 @@ def pytest_collection_finish(session):
 def _scalar_cpu_kernels() -> None:
     """Inductor's C++ kernels without SIMD in the test processes.  The tests compile the GPU path's
     steps (kernels.py, qk_kernels.py) on the CPU to check their graphs — sums equal to the eager path's,
-    no recompile — which the C++ kernels' vectorisation does not change; scalar C++ takes g++ about a
-    third less time to build (each distinct graph is built once per run, from a cold cache in CI)."""
+    no recompile — which the C++ kernels' vectorisation does not change; scalar C++ builds faster (each
+    distinct graph is built once per run, from a cold cache in CI)."""
     if "torch._dynamo" in sys.modules:  # imported by the test modules that compile (else not worth importing)
         import torch._inductor.config as inductor
 
