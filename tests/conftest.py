@@ -76,10 +76,12 @@ call_all = zygote.call_all  # functions in processes of their own (multiprocessi
 
 # The files that take longest, longest first (CPU seconds measured per file): under `-n 2` each file goes
 # whole to one worker (its module fixtures built once), and these start first, so that no worker is left
-# running a long file alone at the end.  The other files follow in their usual order.  Any order must
-# pass: a test never relies on another having run.
-LONGEST_FIRST = ("test_fold_adversarial.py", "test_scaleout.py", "test_reliability.py", "test_s3.py", "test_repair.py",
-                 "test_extract.py", "test_s3_faults.py", "test_report.py", "test_discovery.py", "test_merge.py",
+# running a long file alone at the end.  test_s3_faults.py goes first though it is not the longest: its
+# worker's core idles through most of it (the S3 clients' back-off sleeps), and test_scaleout.py, which
+# starts beside it, runs torchrun's ranks in parallel on that core.  The other files follow in their
+# usual order.  Any order must pass: a test never relies on another having run.
+LONGEST_FIRST = ("test_s3_faults.py", "test_scaleout.py", "test_fold_adversarial.py", "test_reliability.py", "test_s3.py",
+                 "test_repair.py", "test_extract.py", "test_report.py", "test_discovery.py", "test_merge.py",
                  "test_identity.py", "test_demo.py", "test_operator_faults.py", "test_families.py", "test_spill.py",
                  "test_peers.py", "test_fold.py", "test_cli.py", "test_attention.py", "test_api.py")
 
