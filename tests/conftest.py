@@ -143,8 +143,8 @@ def _scalar_cpu_kernels() -> None:
         import torch._inductor.config as inductor
 
         inductor.cpp.simdlen = 1
-        # No SIMD ISA has a width of 1, so inductor picks none whatever the list of the CPU's ISAs; that
-        # list is found by building a probe program per ISA, a compile it need not run then.
+        # No SIMD ISA is 1 element wide, so inductor picks none whatever ISAs the CPU has; finding them
+        # costs a probe build per ISA (g++ with torch's headers), which would then decide nothing.
         from torch._inductor import cpu_vec_isa
 
         if hasattr(cpu_vec_isa, "valid_vec_isa_list") and hasattr(cpu_vec_isa, "pick_vec_isa"):
