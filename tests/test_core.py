@@ -253,8 +253,7 @@ def test_a_connection_of_some_views_has_those_and_their_inputs_and_the_same_rows
     for query in ("SHOW TABLES", "SELECT * FROM duckdb_views()", "SELECT 1", "SELECT * FROM nope, inter_sim",
                   "SELECT * FROM information_schema.tables", "SELECT * FROM pragma_table_info('inter_sim'), runs"):
         assert views_read(query) is None, query
-    code, out, _ = run_cli("sql", VIEW_NAMES, "-w", core["wh"],
-                           "--format", "csv")
+    code, out, _ = run_cli("sql", VIEW_NAMES, "-w", core["wh"], "--format", "csv")
     assert code == 0 and set(out.split()[1:]) == every
     code, out, _ = run_cli("sql", "SELECT count(*) AS n FROM inter_sim", "-w", core["wh"], "--format", "csv")
     assert code == 0 and out.split() == ["n", "8"]

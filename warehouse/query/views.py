@@ -229,7 +229,7 @@ def view_closure(names) -> set[str]:
     that is no view is one UserError line."""
     metrics = {m.name: m for m in load_metrics()}
     names = [n.lower() for n in names]  # DuckDB's names ignore case
-    unknown = sorted(set(names) - view_names())
+    unknown = sorted(set(names) - set(BASE_VIEWS) - metrics.keys())
     if unknown:
         raise UserError(f"no such view: {', '.join(unknown)} (the views: docs/views.md)")
     out, todo = set(), list(names)
@@ -239,6 +239,10 @@ def view_closure(names) -> set[str]:
             out.add(name)
             todo.extend(metrics[name].inputs if name in metrics else ())
     return out
+
+
+_CATALOGUE = re.compile(r"\b(show|describe|summarize|pragma\w*|information_schema|pg_\w+|sqlite_\w+|duckdb_\w+)\b",
+                        re.IGNORECASE)  # statements and table functions that list or describe the catalogue
 
 
 def views_read(query: str) -> set[str] | None:
@@ -257,10 +261,6 @@ def views_read(query: str) -> set[str] | None:
     # and every view named anywhere in the text: the parser's list misses some places (a subquery inside
     # `* REPLACE (…)`); a name in a string or a comment only binds a view more
     return names | ({w.lower() for w in re.findall(r"\w+", query)} & known)
-
-
-_CATALOGUE = re.compile(r"\b(show|describe|summarize|pragma\w*|information_schema|pg_\w+|sqlite_\w+|duckdb_\w+)\b",
-                        re.IGNORECASE)  # statements and table functions that list or describe the catalogue
 
 
 def all_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | None = None,
