@@ -536,12 +536,14 @@ def test_compiled_step_gives_the_window_measures_their_terms_without_recompiles(
 
 
 @pytest.mark.parametrize("family", ["gpt_neox", "llama", "gemma2", "bert"])
-def test_a_padded_batch_reads_nothing_of_its_device_mask_and_gives_the_same_states(family, model_factory,
-                                                                                   monkeypatch):
-    """A batch with padding: transformers' checks whether its mask may be dropped (`fast_all`, `.all()`:
-    on a GPU a host sync) are answered from the host (extract/masks.py) — no tensor is read into a
-    Python bool during the forward — and every layer's hidden states equal those of the plain 2-D
-    mask path bit for bit (causal, sliding-window and bidirectional models)."""
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_batch_reads_nothing_of_its_device_tensors_and_gives_the_same_states(family, padded, model_factory,
+                                                                                monkeypatch):
+    """transformers' questions before it builds a mask are answered from the host (extract/masks.py) —
+    no tensor is read into a Python bool during the forward (on a GPU each read is a host sync): with
+    padding, whether the mask may be dropped (`fast_all`, `.all()`); without, whether the model's own
+    position ids pack sequences (`find_packed_sequence_indices`).  Every layer's hidden states equal
+    those of transformers' own path bit for bit (causal, sliding-window and bidirectional models)."""
     from transformers import masking_utils
 
     from extract.architectures import get_module
@@ -553,8 +555,9 @@ def test_a_padded_batch_reads_nothing_of_its_device_mask_and_gives_the_same_stat
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(5, loaded.model.config.vocab_size, (3, 12), generator=g)
     mask = torch.ones(3, 12, dtype=torch.long)
-    mask[1, 7:] = 0
-    mask[2, 3:] = 0
+    if padded:
+        mask[1, 7:] = 0
+        mask[2, 3:] = 0
 
     def states(forward):
         out = {}
@@ -564,7 +567,8 @@ def test_a_padded_batch_reads_nothing_of_its_device_mask_and_gives_the_same_stat
         return out
 
     base = get_module(loaded.model, loaded.layout.base)
-    plain = states(lambda: base(input_ids=ids, attention_mask=mask, **forward_kwargs(loaded.layout.head)))
+    plain = states(lambda: base(input_ids=ids, attention_mask=mask if padded else None,
+                                **forward_kwargs(loaded.layout.head)))
     reads = []
     real_bool, real_fast_all = torch.Tensor.__bool__, masking_utils.fast_all
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append("bool") or real_bool(t))
@@ -576,7 +580,8 @@ def test_a_padded_batch_reads_nothing_of_its_device_mask_and_gives_the_same_stat
     assert plain.keys() == ours.keys() and len(plain) >= 3
     for layer in plain:
         assert torch.equal(plain[layer], ours[layer]), layer
-    assert masking_utils._ignore_causal_mask_sdpa is not None and masking_utils._ignore_causal_mask_sdpa.__name__ != "_never"
+    for name in ("_ignore_causal_mask_sdpa", "find_packed_sequence_indices"):  # the originals are back
+        assert getattr(masking_utils, name).__module__ == "transformers.masking_utils", name
 
 
 @pytest.mark.skipif(not fused.available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),

@@ -24,7 +24,7 @@ from ..accumulate import AttentionSums, Moments, Sample, TokenSums
 from ..architectures import get_module
 from ..attention import attention_plan, capture_attention
 from ..hooks import capture_layers, layer_kinds
-from ..masks import known_padding
+from ..masks import known_batch
 from ..memory import available_memory
 from ..models import Loaded, forward_kwargs
 from ..sequences import WindowMeasures
@@ -105,8 +105,8 @@ def base_forward(loaded: Loaded, settings: Settings):
     def run(input_ids: torch.Tensor, mask: torch.Tensor | None) -> None:  # (B, T) each, on the host
         if mask is not None and MASK_ONLY_WITH_PADDING and mask.numpy().all():  # a host tensor: no device sync
             mask = None  # no padding: no mask, so transformers' mask code has nothing to test on the device
-        # padding, known here: transformers' checks of the device mask answered from the host (masks.py)
-        with known_padding() if mask is not None and MASK_ONLY_WITH_PADDING else contextlib.nullcontext():
+        # padding or none, known here: transformers' questions about the batch answered from the host (masks.py)
+        with known_batch(mask is not None) if MASK_ONLY_WITH_PADDING else contextlib.nullcontext():
             base(input_ids=input_ids.to(device, non_blocking=True),
                  attention_mask=None if mask is None else mask.to(device, non_blocking=True), **kwargs)
 
