@@ -3,20 +3,22 @@
 # "Measuring it on a GPU").  From the repository root:  bash bench/gpu_check.sh  — into $OUT (default
 # ./gpu-check), three files: steps.txt (every step's output, appended as each ends), summary.txt (the lines
 # that matter) and doctor.json.  GPU_CHECK_SECONDS (default 465) is the whole run's deadline: a shorter one
-# leaves device time to rerun a step.  Steps, most important first, each with its own time limit and skipped
-# once the deadline is near:
+# leaves device time to rerun a step; GPU_CHECK_STEPS (default: all) the steps to run, by name.  Steps,
+# most important first, each with its own time limit and skipped once the deadline is near:
 #   env        the GPU, torch and Triton versions; carried wheels (.whl/: duckdb, zstandard, pysbd) installed
 #              where the machine lacks them (no package index needed)
 #   p14        Pythia-1.4B shape (d 2,048, 24 blocks, V 50,304; 8 × 2,048 tokens, random bf16 weights): bare
 #              forward against the default pass (the Triton token-sum kernels, --triton, + bf16 moments),
 #              interleaved batch by batch; one batch's top kernels; the sums checked against the eager path
 #              and float64 moments; the paths taken printed
+#   blocks     the Triton token-sum kernels alone, per layer, under several block sizes (bench_triton_blocks.py)
 #   tests      the CUDA-only tests (no host sync in the batch loop, the GPU paths against float64, the Triton
 #              kernels compiled for the GPU)
 #   p14-split  the same as p14 with every layer's moments centred and split (a trained model's mean-dominated
 #              layers)
 #   lean       the bf16 moments per layer: the upper triangle and the split rows' products of views against
-#              the full products, and their error against float64 in the tensor cores' summation order
+#              the full products, and their error against float64 in the tensor cores' summation order, by
+#              rows per float32 product and with cuBLAS's reduced-precision reductions on and off
 #   doctor     cli.py doctor at the 1.4B shape on Zipf text
 #   p14-compiled the same as p14 with the compiled step instead of the Triton kernels (--no-triton)
 #   l8         the Llama-3-8B shape (d 4,096, 32 blocks, GQA 8, V 128,256; 4 × 2,048 tokens)
@@ -31,6 +33,7 @@ P=python3
 step() {  # step NAME LIMIT_S COMMAND...: run it within its limit and the run's deadline
     local name=$1 limit=$2 left=$((END - SECONDS))
     shift 2
+    if [[ -n ${GPU_CHECK_STEPS:-} && " $GPU_CHECK_STEPS " != *" $name "* ]]; then return; fi
     if ((left <= 40)); then echo "$name skipped: ${left} s left" | tee -a "$O/summary.txt"; return; fi
     ((limit > left)) && limit=$left
     timeout "$limit" "$@" >"$T/$name.txt" 2>&1
@@ -55,10 +58,12 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 B="bench/bench_extract.py --device cuda --dtype bfloat16 --direct --moments --no-write --batches 4"
 P14="--hidden 2048 --layers 24 --batch 8 --seq 2048"
 step p14 120 $P $B $P14 --triton --profile --check
+step blocks 60 $P bench/bench_triton_blocks.py
 step tests 120 $P -m pytest tests/test_gpu_path.py tests/test_extract.py -p no:xdist -p no:cacheprovider \
     -k "cuda or gpu_paths or triton or lack"
 step p14-split 90 $P $B $P14 --split-all
-step lean 45 $P bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384
+step lean 60 $P bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384 --chunks 4096,1024,256 \
+    --reduced on,off
 step mk 75 $P -c "
 import numpy as n, types, pathlib as q
 from bench.bench_extract import build_model
@@ -71,6 +76,6 @@ step doctor 130 $P cli.py doctor --model /tmp/p14 --source zipf=/tmp/zipf.txt --
 step p14-compiled 90 $P $B $P14 --no-triton --check
 step l8 120 $P $B --arch llama --hidden 4096 --layers 32 --intermediate 14336 --kv-heads 8 --vocab 128256 \
     --batch 4 --seq 2048
-grep -E "^(===|torch|GPU|20)|ratio|tok/s|paths|peak|check|moments bfloat16|passed|failed|skipped|random |mean |massive " \
+grep -E "^(===|torch|GPU|20)|ratio|tok/s|paths|peak|check|moments bfloat16|passed|failed|skipped|random |mean |massive |BLOCK_" \
     "$O/steps.txt" >>"$O/summary.txt"
 cat "$O/summary.txt"

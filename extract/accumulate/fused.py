@@ -19,8 +19,8 @@ Per layer, over h (B, T, d) in its own dtype:
    per window, and — for the moments — the counted rows with the excluded ones zeroed, in h's dtype,
    and which are ok;
 3. `slots_kernel` (per block of R slot-sorted rows and column block): û of each row, summed per run in
-   registers (an (R, R) 0/1 matrix of the block's runs times the rows: a float64 `tl.dot`, each product
-   exact); a run that begins and ends inside the block is added to its slot's
+   registers (a segmented scan down the block, float64 adds); a run that begins and ends inside the
+   block is added to its slot's
    float64 sums and int64 count with one plain read-modify-write (the block owns it); a run that
    crosses a block's edge (a frequent type) with one atomic add per block;
 4. `epilogue_kernel` (per column block over windows, per block of windows over d): Σh and Σû² of the
@@ -168,7 +168,7 @@ def layer(p: Plan, layer_index: int, hidden: torch.Tensor, sums: torch.Tensor, c
         (_windows, (B, ncol), (flat, flat.stride(0), inv, p.dest, out_rows, ok, m, u, u2, nw, T, d),
          dict(WRITE=rows, T_TILES=pow2(triton_cdiv(T, BLOCK_T)), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)),
         (_slots, (triton_cdiv(max(p.M, 1), ROWS), ncol), (flat, flat.stride(0), inv, p.order, p.slots, sums, counts,
-                                                          p.M, d), dict(R=ROWS, BLOCK_D=BLOCK_D, DOT=SLOTS_DOT[0])),
+                                                          p.M, d), dict(R=ROWS, BLOCK_D=BLOCK_D)),
         (_epilogue, (ncol + triton_cdiv(B, BLOCK_B),), (m, u, u2, nw, B, d, s, counts3, sum_h, sum_u2, nonfinite,
                                                         zero, windows, window_cos, *unit),
          dict(N_COLS=ncol, B_TILES=pow2(triton_cdiv(B, BLOCK_B)), BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D)),
@@ -178,13 +178,7 @@ def layer(p: Plan, layer_index: int, hidden: torch.Tensor, sums: torch.Tensor, c
         other = norms(change is None)  # that fails leaves the sums untouched (the caller falls back);
         # both variants of the norms kernel, so that the batch's second layer compiles nothing new
         for fn, grid, args, consts in (*launches, other):
-            try:
-                fn.warmup(*args, grid=grid, **consts)
-            except Exception:  # noqa: BLE001 — float64 tl.dot missing here: the broadcast sum instead
-                if fn is not _slots or not consts["DOT"]:
-                    raise
-                SLOTS_DOT[0] = consts["DOT"] = False
-                fn.warmup(*args, grid=grid, **consts)
+            fn.warmup(*args, grid=grid, **consts)
     _WARM.add(key)
     for fn, grid, args, consts in launches:
         if fn is _slots and not p.M:
@@ -202,7 +196,6 @@ def _rows(hidden: torch.Tensor) -> torch.Tensor:
 
 
 _WARM: set = set()  # (device type, dtype, rows, d) whose kernels are compiled
-SLOTS_DOT = [True]  # each run's total by a float64 tl.dot (else a broadcast sum: more registers)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -87,9 +87,15 @@ def windows_kernel(h, stride, inv, dest, rows, ok_rows, m, u, u2, nw, T, D: tl.c
         tl.store(nw + b, tl.sum(n, axis=0))
 
 
+@triton.jit
+def _run_sum(a, a_first, b, b_first):
+    """The combine of a segmented sum (a before b): b alone where b begins a run, else a + b."""
+    return tl.where(b_first != 0, b, a + b), a_first | b_first
+
+
 @triton.jit(do_not_specialize=["M", "stride"])
 def slots_kernel(h, stride, inv, order, slot, sums, counts, M, D: tl.constexpr, R: tl.constexpr,
-                 BLOCK_D: tl.constexpr, DOT: tl.constexpr):
+                 BLOCK_D: tl.constexpr):
     i = tl.arange(0, R)
     r = tl.program_id(0) * R + i  # (R,) rows of the slot-sorted order
     j = tl.program_id(1)
@@ -111,10 +117,10 @@ def slots_kernel(h, stride, inv, order, slot, sums, counts, M, D: tl.constexpr, 
     cm = c < D
     x = tl.load(h + pos[:, None] * stride + c[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
     x = tl.where(ok[:, None], x.to(tl.float64) * iv[:, None], 0.0)  # (R, BLOCK_D) û
-    if DOT:  # each row's run total: (R, R) 0/1 times the rows, float64 products exact (× 1 or 0)
-        v = tl.dot(tl.where(same, 1.0, 0.0).to(tl.float64), x)
-    else:
-        v = tl.sum(tl.where(same[:, :, None], x[None, :, :], 0.0), axis=1)
+    # each row: the sum of its run's rows up to it (a segmented scan over the block, float64 adds in
+    # registers); at a run's last row in the block, the run's total there
+    f = (first[:, None] & (c[None, :] >= 0)).to(tl.int32)  # (R, BLOCK_D) 1 where a run starts, every column
+    v, _ = tl.associative_scan((x, f), 0, _run_sum)
     ptr = sums + s[:, None].to(tl.int64) * D + c[None, :]
     mo = own[:, None] & cm[None, :]
     tl.store(ptr, tl.load(ptr, mask=mo, other=0.0) + v, mask=mo)

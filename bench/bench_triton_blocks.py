@@ -1,0 +1,107 @@
+"""Benchmark: the Triton token-sum kernels (extract/accumulate/fused.py) per layer and batch, at one
+shape, under several block sizes — each kernel's device time from torch's profiler, the sums of every
+configuration checked against the first's.  No model: bf16 rows with a dominant mean (a trained
+layer's), token ids from a Zipf law (s = 1.1) over the vocabulary, like text.
+
+    python bench/bench_triton_blocks.py                          # the 1.4B shape: 8 × 2,048, d 2,048
+    python bench/bench_triton_blocks.py --configs "BLOCK_P=16,BLOCK_D=64,ROWS=32 BLOCK_P=32,BLOCK_D=128"
+
+On a CPU it needs TRITON_INTERPRET=1 and a tiny shape (the interpreter is slow): it then only checks
+that every configuration gives the same sums.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from extract.accumulate import fused  # noqa: E402
+from extract.accumulate.sums import TokenSums  # noqa: E402
+
+DEFAULT_CONFIGS = ("BLOCK_P=16,BLOCK_D=64,ROWS=32 BLOCK_P=32,BLOCK_D=64,ROWS=32 BLOCK_P=16,BLOCK_D=128,ROWS=32 "
+                   "BLOCK_P=32,BLOCK_D=128,ROWS=16 BLOCK_P=64,BLOCK_D=64,ROWS=64 BLOCK_P=16,BLOCK_D=256,ROWS=16")
+
+
+def parse(config: str) -> dict[str, int]:
+    out = {}
+    for item in config.split(","):
+        name, value = item.split("=")
+        if not hasattr(fused, name):
+            raise SystemExit(f"error: fused.py has no block size {name!r}")
+        out[name] = int(value)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--d", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--layers", type=int, default=4, help="layers per batch (the layer change from the second)")
+    ap.add_argument("--repeats", type=int, default=3, help="batches timed per configuration")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="space-separated NAME=VALUE,... of fused.py")
+    args = ap.parse_args()
+    dev, B, T, d, V, L = args.device, args.batch, args.seq, args.d, args.vocab, args.layers
+    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    p = np.arange(1, V + 1) ** -1.1
+    ids = torch.from_numpy(rng.permutation(V)[rng.choice(V, size=(B, T), p=p / p.sum())])  # (B, T)
+    counted = torch.ones(B, T, dtype=torch.bool)
+    counted[:, :8] = False  # a window's first positions are context only
+    mean = torch.randn(d, generator=g) * 4  # (d,) a dominant mean
+    hidden = [(mean + torch.randn(B, T, d, generator=g)).bfloat16().to(dev) for _ in range(L)]  # (B, T, d) each
+    cuda = dev.startswith("cuda")
+    print(f"torch {torch.__version__}, {dev} ({torch.cuda.get_device_name() if cuda else 'CPU'}); B {B}, T {T}, "
+          f"d {d}, V {V}, {L} layers per batch, {args.repeats} batches timed; ms per layer (device time)")
+    first = None
+    rows = []
+    for config in args.configs.split():
+        sizes = parse(config)
+        saved = {k: getattr(fused, k) for k in sizes}
+        for k, v in sizes.items():
+            setattr(fused, k, v)
+        try:
+            acc = TokenSums(L, V, d, dev, triton=True)
+
+            def batch():
+                acc.set_batch(ids, counted)
+                for layer in range(L):
+                    acc.add(layer, hidden[layer])
+
+            batch()  # compiles
+            if cuda:
+                torch.cuda.synchronize()
+            times = collections.Counter()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]) as prof:
+                for _ in range(args.repeats):
+                    batch()
+                if cuda:
+                    torch.cuda.synchronize()
+            for e in prof.key_averages():
+                if cuda and e.device_time_total > 0 and "kernel" in e.key:
+                    times[e.key] += e.device_time_total / 1e3 / (args.repeats * L)
+            tables = [tuple(t.cpu() for t in acc.dense(layer)) for layer in range(L)]
+            if first is None:
+                first = tables
+            same = max(float(((a[1] - b[1]).abs().max() / b[1].abs().max().clamp_min(1e-300))) if
+                       torch.equal(a[0], b[0]) else float("inf") for a, b in zip(tables, first))
+            acc.close()
+        finally:
+            for k, v in saved.items():
+                setattr(fused, k, v)
+        rows.append((config, times, same))
+        print(f"{config:36} " + " ".join(f"{k.split('_kernel')[0][-24:]} {v:.3f}" for k, v in sorted(times.items()))
+              + f"  total {sum(times.values()):.3f}; sums against the first: {same:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
