@@ -4,7 +4,7 @@ configuration checked against the first's.  No model: bf16 rows with a dominant 
 layer's), token ids from a Zipf law (s = 1.1) over the vocabulary, like text.
 
     python bench/bench_triton_blocks.py                          # the 1.4B shape: 8 × 2,048, d 2,048
-    python bench/bench_triton_blocks.py --configs "BLOCK_P=16,BLOCK_D=64,ROWS=32 BLOCK_P=32,BLOCK_D=128"
+    python bench/bench_triton_blocks.py --configs "ROWS=16 ROWS=32,SLOTS_D=128 NORMS_D=512"
 
 On a CPU it needs TRITON_INTERPRET=1 and a tiny shape (the interpreter is slow): it then only checks
 that every configuration gives the same sums.
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from extract.accumulate import fused  # noqa: E402
 from extract.accumulate.sums import TokenSums  # noqa: E402
 
-DEFAULT_CONFIGS = ("BLOCK_P=16,BLOCK_D=64,ROWS=32 BLOCK_P=32,BLOCK_D=64,ROWS=32 BLOCK_P=16,BLOCK_D=128,ROWS=32 "
-                   "BLOCK_P=32,BLOCK_D=128,ROWS=16 BLOCK_P=64,BLOCK_D=64,ROWS=64 BLOCK_P=16,BLOCK_D=256,ROWS=16")
+DEFAULT_CONFIGS = ("ROWS=16 NORMS_D=128 NORMS_D=512 BLOCK_P=32 ROWS=32 ROWS=32,SLOTS_D=128 ROWS=8 BLOCK_D=128 "
+                   "BLOCK_T=64")  # the first: the defaults
 
 
 def parse(config: str) -> dict[str, int]:

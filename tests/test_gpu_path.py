@@ -445,7 +445,15 @@ def test_the_whole_batch_loop_has_no_host_sync_on_cuda(model_factory, sources, m
             torch.cuda.set_sync_debug_mode("error")
         return real(*a)
 
+    real_finish = run._finish
+
+    def finish(*a):  # the loop is over: the source's counts are read to the host here, once
+        torch.cuda.set_sync_debug_mode("default")
+        calls.append("finish")
+        return real_finish(*a)
+
     monkeypatch.setattr(run, "forward_batch", forward)
+    monkeypatch.setattr(run, "_finish", finish)
     s = run_settings.Settings(device="cuda", dtype="bfloat16", moments_precision="bfloat16", batch_size=2, max_length=24,
                      memory_budget=1 << 30)
     try:
@@ -453,7 +461,8 @@ def test_the_whole_batch_loop_has_no_host_sync_on_cuda(model_factory, sources, m
     finally:
         torch.cuda.set_sync_debug_mode("default")
     try:
-        assert len(calls) > 3 and acc.paths["layer_step"] == "compiled"
+        assert len(calls) > 4 and calls[-1] == "finish"
+        assert acc.paths["layer_step"] == ("triton" if fused.enabled() else "compiled")
     finally:
         acc.close()
 
@@ -596,7 +605,8 @@ def test_the_triton_kernels_equal_the_eager_path_and_the_float64_moments(vocab, 
     n and Σh they hand the moments give float64 moments equal to the eager path's; B = 1, T = 1, several
     blocks of rows, positions, windows and columns (d = 40) included."""
     L, d = 2, 40
-    monkeypatch.setattr(fused, "BLOCK_D", 32)  # small blocks: several of each in tiny batches
+    for name in ("BLOCK_D", "NORMS_D", "SLOTS_D"):  # small blocks: several of each in tiny batches
+        monkeypatch.setattr(fused, name, 32)
     monkeypatch.setattr(fused, "BLOCK_B", 4)
     gen = torch.Generator().manual_seed(3)
     eager = TokenSums(L, vocab, d, "cpu")

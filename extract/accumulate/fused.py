@@ -120,7 +120,10 @@ def kernels(interpret: bool):
     return k.norms_kernel, k.windows_kernel, k.slots_kernel, k.epilogue_kernel
 
 
-BLOCK_P, BLOCK_T, ROWS, BLOCK_D, BLOCK_B = 16, 32, 32, 64, 32
+# Block sizes: positions per program of the norms kernel and their column block, rows and columns per
+# program of the slots kernel, positions and columns per program of the windows kernel, windows per
+# program of the epilogue (bench/bench_triton_blocks.py times each kernel under others)
+BLOCK_P, NORMS_D, ROWS, SLOTS_D, BLOCK_T, BLOCK_D, BLOCK_B = 16, 256, 16, 256, 32, 64, 32
 
 
 def layer(p: Plan, layer_index: int, hidden: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor,
@@ -157,7 +160,7 @@ def layer(p: Plan, layer_index: int, hidden: torch.Tensor, sums: torch.Tensor, c
         else:  # placeholders of the same types, never read
             pargs = (flat, flat.stride(0), inv, inv, inv, counts3, inv)
         return (_norms, (triton_cdiv(P, BLOCK_P),), (flat, flat.stride(0), p.dest, inv, counts3, P, *pargs, d),
-                dict(BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, CHANGE=with_change))
+                dict(BLOCK_P=BLOCK_P, BLOCK_D=NORMS_D, CHANGE=with_change))
 
     minus = plus = None
     if change is not None:
@@ -167,8 +170,8 @@ def layer(p: Plan, layer_index: int, hidden: torch.Tensor, sums: torch.Tensor, c
         norms(change is not None),
         (_windows, (B, ncol), (flat, flat.stride(0), inv, p.dest, out_rows, ok, m, u, u2, nw, T, d),
          dict(WRITE=rows, T_TILES=pow2(triton_cdiv(T, BLOCK_T)), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)),
-        (_slots, (triton_cdiv(max(p.M, 1), ROWS), ncol), (flat, flat.stride(0), inv, p.order, p.slots, sums, counts,
-                                                          p.M, d), dict(R=ROWS, BLOCK_D=BLOCK_D)),
+        (_slots, (triton_cdiv(max(p.M, 1), ROWS), triton_cdiv(d, SLOTS_D)),
+         (flat, flat.stride(0), inv, p.order, p.slots, sums, counts, p.M, d), dict(R=ROWS, BLOCK_D=SLOTS_D)),
         (_epilogue, (ncol + triton_cdiv(B, BLOCK_B),), (m, u, u2, nw, B, d, s, counts3, sum_h, sum_u2, nonfinite,
                                                         zero, windows, window_cos, *unit),
          dict(N_COLS=ncol, B_TILES=pow2(triton_cdiv(B, BLOCK_B)), BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D)),
