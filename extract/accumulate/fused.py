@@ -19,10 +19,10 @@ Per layer, over h (B, T, d) in its own dtype:
    per window, and — for the moments — the counted rows with the excluded ones zeroed, in h's dtype,
    and which are ok;
 3. `slots_kernel` (per block of R slot-sorted rows and column block): û of each row, summed per run in
-   registers (a segmented scan down the block, float64 adds); a run that begins and ends inside the
-   block is added to its slot's
-   float64 sums and int64 count with one plain read-modify-write (the block owns it); a run that
-   crosses a block's edge (a frequent type) with one atomic add per block;
+   registers (a segmented scan down the block, float64 adds; a float64 `tl.dot` does not compile for
+   sm_90); a run that begins and ends inside the block is added to its slot's float64 sums and int64
+   count with one plain read-modify-write (the block owns it); a run that crosses a block's edge (a
+   frequent type) with one atomic add per block;
 4. `epilogue_kernel` (per column block over windows, per block of windows over d): Σh and Σû² of the
    layer (also Σh and n for the moments), the windows' mean unit vectors ū = Σû / n (windows with
    ≥ 1 vector: their number, Σ_w ū, Σ_w ‖ū‖²), each window's mean cosine to its mean (windows with

@@ -250,7 +250,8 @@ class Moments:
     # the largest variance, though not the trace (a trained model's massive activations).  Raw rows'
     # covariance error, relative to the largest entry, measured against float64 (docs/views-guide.md,
     # precision): 6.3e-6 on a trained model's layer at a ratio of 7.2, 3e-6–6e-5 on synthetic rows at
-    # 25–623; the split rows' 6.5e-7 at every ratio.  Below 8, raw rows stay within 1e-5
+    # 25–623; the split rows' 6.5e-7 at every ratio.  Below 8, raw rows stay within 1e-5 on CPUs (a GPU's
+    # tensor cores err more inside one product of CHUNK_BF16 rows: docs/views-guide.md, precision)
     SPLIT_DIM_RATIO = 8.0
 
     def _decide(self, layer: int, h: torch.Tensor, s: torch.Tensor, n: torch.Tensor) -> None:
