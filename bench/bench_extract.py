@@ -112,6 +112,10 @@ def main() -> None:
     ap.add_argument("--split-all", action="store_true",
                     help="bf16 moments: every layer's rows centred and split into hi + lo (a trained model's "
                          "mean-dominated layers; random weights take the raw rows)")
+    ap.add_argument("--moments-chunk", type=int, default=None,
+                    help="bf16 moments: rows per product (Moments.CHUNK_BF16; fewer: a smaller error, more launches)")
+    ap.add_argument("--moments-panels", type=int, default=None,
+                    help="bf16 moments: row panels of each product's upper triangle (Moments.PANELS; 1: full products)")
     ap.add_argument("--check", action="store_true",
                     help="also run the other path (fused vs eager) over the same batches and compare the sums")
     ap.add_argument("--hidden", type=int, default=512)
@@ -134,6 +138,10 @@ def main() -> None:
     ap.add_argument("--write", action=argparse.BooleanOptionalAction, default=True,
                     help="also time writing the sums and report bytes per checkpoint")
     args = ap.parse_args()
+    if args.moments_chunk:
+        Moments.CHUNK_BF16 = args.moments_chunk
+    if args.moments_panels:
+        Moments.PANELS = args.moments_panels
 
     tmp = Path(tempfile.mkdtemp(prefix="isobench-"))
     acc = None

@@ -11,14 +11,15 @@
 #              forward against the default pass (the Triton token-sum kernels, --triton, + bf16 moments),
 #              interleaved batch by batch; one batch's top kernels; the sums checked against the eager path
 #              and float64 moments; the paths taken printed
-#   blocks     the Triton token-sum kernels alone, per layer, under several block sizes (bench_triton_blocks.py)
 #   tests      the CUDA-only tests (no host sync in the batch loop, the GPU paths against float64, the Triton
 #              kernels compiled for the GPU)
+#   p14-1024   p14 with the bf16 moments as full products of 1,024 rows (fewer launches, a smaller error)
+#   blocks     the Triton token-sum kernels alone, per layer, under several block sizes (bench_triton_blocks.py)
 #   p14-split  the same as p14 with every layer's moments centred and split (a trained model's mean-dominated
 #              layers)
 #   lean       the bf16 moments per layer: the upper triangle and the split rows' products of views against
 #              the full products, and their error against float64 in the tensor cores' summation order, by
-#              rows per float32 product and with cuBLAS's reduced-precision reductions on and off
+#              rows per float32 product, upper-triangle panels against full products
 #   doctor     cli.py doctor at the 1.4B shape on Zipf text
 #   p14-compiled the same as p14 with the compiled step instead of the Triton kernels (--no-triton)
 #   l8         the Llama-3-8B shape (d 4,096, 32 blocks, GQA 8, V 128,256; 4 × 2,048 tokens)
@@ -58,12 +59,13 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 B="bench/bench_extract.py --device cuda --dtype bfloat16 --direct --moments --no-write --batches 4"
 P14="--hidden 2048 --layers 24 --batch 8 --seq 2048"
 step p14 120 $P $B $P14 --triton --profile --check
-step blocks 60 $P bench/bench_triton_blocks.py
 step tests 120 $P -m pytest tests/test_gpu_path.py tests/test_extract.py -p no:xdist -p no:cacheprovider \
     -k "cuda or gpu_paths or triton or lack"
+step p14-1024 90 $P $B $P14 --moments-chunk 1024 --moments-panels 1 --check
+step blocks 60 $P bench/bench_triton_blocks.py
 step p14-split 90 $P $B $P14 --split-all
-step lean 60 $P bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384 --chunks 4096,1024,256 \
-    --reduced on,off
+step lean 60 $P bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384 --chunks 4096,1024,512 \
+    --panels 4,1
 step mk 75 $P -c "
 import numpy as n, types, pathlib as q
 from bench.bench_extract import build_model
