@@ -78,6 +78,8 @@ def main() -> None:
                     acc.add(layer, hidden[layer])
 
             batch()  # compiles
+            if acc.paths.get("layer_step") != "triton":  # a size that fails falls back to another step
+                raise SystemExit(f"error: {config}: the Triton kernels did not run ({acc.paths})")
             if cuda:
                 torch.cuda.synchronize()
             times = collections.Counter()

@@ -51,7 +51,9 @@ step() {  # step NAME LIMIT_S COMMAND...: run it within its limit and the run's 
     fi
     $P -c 'import torch, triton, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
-    git rev-parse --short HEAD 2>/dev/null || true
+    # the code measured (the device copy's .git may be stale): the same command on a checkout names its commit
+    echo "code sha256 $(cat cli.py $(find extract common warehouse bench tests queries -type f \( -name '*.py' -o \
+        -name '*.sql' -o -name '*.sh' \) | LC_ALL=C sort) | sha256sum | cut -c1-16)"
 } >"$T/env.txt" 2>&1
 { echo "=== env"; cat "$T/env.txt"; } >>"$O/steps.txt"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD

@@ -16,8 +16,10 @@ On a GPU each question is a host sync that drains the device's queue before the 
 `known_batch(padded)` gives those answers without reading the device while the batch's forward runs;
 transformers then builds the same mask as before (bit-identical hidden states: tests/test_gpu_path.py).
 A transformers without these functions is left as it is (the sync stays; nothing else changes).  The
-functions are module globals: while one of our forwards runs, another thread's forward of a packed or
-padded-with-cache batch would get the same answers.
+functions are module globals: while one of our forwards runs, another thread's forward gets the same
+answers — a packed or padded-with-cache batch wrong ones, and an unpadded batch beside one of our padded
+ones an explicit mask instead of the causal flag (the same values, possibly another attention kernel).
+The CLI runs its forwards on one thread; an API user extracting from several threads at once shares this.
 """
 
 from __future__ import annotations

@@ -609,7 +609,8 @@ def test_the_triton_kernels_equal_the_eager_path_and_the_float64_moments(vocab, 
     windows' mean unit vectors and the layer change equal the eager path's (every per-layer sum of the
     default accumulator, to 1e-12 relative: the order of float64 additions; measured ≤ 6e-15); the rows,
     n and Σh they hand the moments give float64 moments equal to the eager path's; B = 1, T = 1, several
-    blocks of rows, positions, windows and columns (d = 40) included."""
+    blocks of rows, positions, windows and columns (d = 40) included.  (The interpreter scans in order: a
+    combine that is not associative would pass here and fail on a GPU's tree scan; `_run_sum` is.)"""
     L, d = 2, 40
     for name in ("BLOCK_D", "NORMS_D", "SLOTS_D"):  # small blocks: several of each in tiny batches
         monkeypatch.setattr(fused, name, 32)
