@@ -114,6 +114,8 @@ def main() -> None:
                          "mean-dominated layers; random weights take the raw rows)")
     ap.add_argument("--moments-chunk", type=int, default=None,
                     help="bf16 moments: rows per product (Moments.CHUNK_BF16; fewer: a smaller error, more launches)")
+    ap.add_argument("--moments-variant", default="lean", choices=["lean", "grouped"],
+                    help="bf16 moments: the default path (lean) or bench/moments_variants.py's grouped products")
     ap.add_argument("--moments-panels", type=int, default=None,
                     help="bf16 moments: row panels of each product's upper triangle (Moments.PANELS; 1: full products)")
     ap.add_argument("--check", action="store_true",
@@ -179,9 +181,10 @@ def main() -> None:
             args.moments_precision = ("bfloat16" if args.device.startswith("cuda") and args.dtype == "bfloat16"
                                       else "float32")
         if args.moments:
-            acc.moments = Moments(len(kinds), args.hidden, args.device, cross=args.cross_moments,
-                                  precision=args.moments_precision,
-                                  background=args.overlap)
+            from bench.moments_variants import VARIANTS
+
+            acc.moments = VARIANTS[args.moments_variant](len(kinds), args.hidden, args.device, cross=args.cross_moments,
+                                                         precision=args.moments_precision, background=args.overlap)
             if args.split_all:
                 acc.moments.SPLIT_RATIO = -1.0  # every layer's ‖μ‖²/tr C is above it
         if args.sample:

@@ -10,6 +10,7 @@ max μ_i²/max C_ii).  Also each kind's covariance error against float64 product
     # the error's dependence on the rows per float32 product, and on cuBLAS's reduced-precision reductions
     python bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384 --chunks 4096,1024,256 --reduced on,off
     python bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384 --chunks 4096,1024 --panels 4,1
+    python bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384 --variants lean,grouped
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from extract.accumulate.matmul import mm_bf16, mm_out_dtype  # noqa: E402
 from extract.accumulate.moments import Moments  # noqa: E402
+from bench.moments_variants import VARIANTS  # noqa: E402
 
 
 def rows(kind: str, M: int, d: int, device: str, seed: int = 0) -> torch.Tensor:
@@ -74,6 +76,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunks", default=str(Moments.CHUNK_BF16),
                     help="comma-separated rows per bf16 product (Moments.CHUNK_BF16) to compare")
+    ap.add_argument("--variants", default="lean", help="comma-separated: lean (the default path), grouped "
+                                                      "(bench/moments_variants.py)")
     ap.add_argument("--panels", default=str(Moments.PANELS),
                     help="comma-separated row panels of the upper triangle (Moments.PANELS; 1: full products)")
     ap.add_argument("--reduced", default="on", help="comma-separated on/off: torch.backends.cuda.matmul."
@@ -89,7 +93,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {dev} ({torch.cuda.get_device_name() if cuda else 'CPU'}), threads "
           f"{torch.get_num_threads()}, {M} rows × d {d} per layer and batch, mean of {args.repeats} ({'wall' if cuda else 'CPU'} ms); load "
           f"{' '.join(open('/proc/loadavg').read().split()[:3]) if Path('/proc/loadavg').exists() else '?'}")
-    print(f"{'rows':8} {'chunk':>6} {'panels':>6} {'reduced':>7} {'path':36} {'lean ms':>8} {'full ms':>8} {'ratio':>6} "
+    print(f"{'rows':8} {'variant':8} {'chunk':>6} {'panels':>6} {'reduced':>7} {'path':36} {'lean ms':>8} {'full ms':>8} {'ratio':>6} "
           f"{'cov err/max|C|':>15}")
     for kind in ("random", "mean", "massive"):
         h = rows(kind, M, d, dev)
@@ -98,23 +102,25 @@ def main() -> None:
         n = float(exact.n[0])
         mean = exact.s1[0].numpy() / n
         C64 = exact.s2(0) / n - np.outer(mean, mean)
-        for chunk, panels, reduced in ((int(c), int(p), r) for c in args.chunks.split(",")
-                                       for p in args.panels.split(",") for r in args.reduced.split(",")):
+        for variant, chunk, panels, reduced in ((v, int(c), int(p), r) for v in args.variants.split(",")
+                                                for c in args.chunks.split(",") for p in args.panels.split(",")
+                                                for r in args.reduced.split(",")):
             Moments.CHUNK_BF16, Moments.PANELS = chunk, panels
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced == "on"
-            lean = Moments(1, d, dev, cross=False, precision="bfloat16", background=False)
+            cls = VARIANTS[variant]
+            lean = cls(1, d, dev, cross=False, precision="bfloat16", background=False)
             lean.add(0, h, ok)  # decides raw or split
             split = bool(lean._split[0])
             c = lean._c[0]
             t_lean = timed(lambda: lean.add(0, h, ok), sync, args.repeats, clock)
             S = torch.zeros(d, d, dtype=torch.float64, device=dev)
             t_full = timed(lambda: full_products(h, S, split, c, out), sync, args.repeats, clock)
-            check = Moments(1, d, dev, cross=False, precision="bfloat16", background=False)
+            check = cls(1, d, dev, cross=False, precision="bfloat16", background=False)
             check.add(0, h, ok)
             err = np.abs(check.s2(0) / n - np.outer(mean, mean) - C64).max() / np.abs(C64).max()
             path = (f"split (ratio {lean._ratio[0]:.3g}, dim {lean._dim_ratio[0]:.3g})" if split else
                     f"raw (ratio {lean._ratio[0]:.3g}, dim {lean._dim_ratio[0]:.3g})")
-            print(f"{kind:8} {chunk:6} {panels:6} {reduced:>7} {path:36} {t_lean:8.2f} {t_full:8.2f} {t_lean / t_full:6.2f} "
+            print(f"{kind:8} {variant:8} {chunk:6} {panels:6} {reduced:>7} {path:36} {t_lean:8.2f} {t_full:8.2f} {t_lean / t_full:6.2f} "
                   f"{err:15.2e}", flush=True)
 
 

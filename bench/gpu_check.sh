@@ -13,7 +13,9 @@
 #              and float64 moments; the paths taken printed
 #   tests      the CUDA-only tests (no host sync in the batch loop, the GPU paths against float64, the Triton
 #              kernels compiled for the GPU)
-#   p14-1024   p14 with the bf16 moments as full products of 1,024 rows (fewer launches, a smaller error)
+#   p14-grouped p14 with the bf16 moments as one batched GEMM of 1,024-row pieces per product and one float64
+#              reduction (bench/moments_variants.py: two launches per product, the error of 1,024-row sums)
+#   p14-1024   p14 with the bf16 moments as full products of 1,024 rows
 #   blocks     the Triton token-sum kernels alone, per layer, under several block sizes (bench_triton_blocks.py)
 #   p14-split  the same as p14 with every layer's moments centred and split (a trained model's mean-dominated
 #              layers)
@@ -63,11 +65,12 @@ P14="--hidden 2048 --layers 24 --batch 8 --seq 2048"
 step p14 120 $P $B $P14 --triton --profile --check
 step tests 120 $P -m pytest tests/test_gpu_path.py tests/test_extract.py -p no:xdist -p no:cacheprovider \
     -k "cuda or gpu_paths or triton or lack"
+step p14-grouped 90 $P $B $P14 --moments-variant grouped --check
 step p14-1024 90 $P $B $P14 --moments-chunk 1024 --moments-panels 1 --check
 step blocks 60 $P bench/bench_triton_blocks.py
 step p14-split 90 $P $B $P14 --split-all
-step lean 60 $P bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384 --chunks 4096,1024,512 \
-    --panels 4,1
+step lean 60 $P bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384 --variants lean,grouped \
+    --chunks 4096,1024 --panels 4,1
 step mk 75 $P -c "
 import numpy as n, types, pathlib as q
 from bench.bench_extract import build_model
