@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from extract.accumulate.moments import PRECISIONS, Moments  # noqa: E402
+from bench.moments_variants import VARIANTS  # noqa: E402
 from extract.accumulate.sample import Sample  # noqa: E402
 from extract.accumulate.sums import TokenSums  # noqa: E402
 from extract.architectures import discover, get_module  # noqa: E402
@@ -114,7 +115,7 @@ def main() -> None:
                          "mean-dominated layers; random weights take the raw rows)")
     ap.add_argument("--moments-chunk", type=int, default=None,
                     help="bf16 moments: rows per product (Moments.CHUNK_BF16; fewer: a smaller error, more launches)")
-    ap.add_argument("--moments-variant", default="lean", choices=["lean", "grouped"],
+    ap.add_argument("--moments-variant", default="lean", choices=list(VARIANTS),
                     help="bf16 moments: the default path (lean) or bench/moments_variants.py's grouped products")
     ap.add_argument("--moments-panels", type=int, default=None,
                     help="bf16 moments: row panels of each product's upper triangle (Moments.PANELS; 1: full products)")
@@ -181,8 +182,6 @@ def main() -> None:
             args.moments_precision = ("bfloat16" if args.device.startswith("cuda") and args.dtype == "bfloat16"
                                       else "float32")
         if args.moments:
-            from bench.moments_variants import VARIANTS
-
             acc.moments = VARIANTS[args.moments_variant](len(kinds), args.hidden, args.device, cross=args.cross_moments,
                                                          precision=args.moments_precision, background=args.overlap)
             if args.split_all:

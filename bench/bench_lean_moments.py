@@ -76,8 +76,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunks", default=str(Moments.CHUNK_BF16),
                     help="comma-separated rows per bf16 product (Moments.CHUNK_BF16) to compare")
-    ap.add_argument("--variants", default="lean", help="comma-separated: lean (the default path), grouped "
-                                                      "(bench/moments_variants.py)")
+    ap.add_argument("--variants", default="lean", help="comma-separated of " + ", ".join(VARIANTS)
+                    + " (lean: the default path; the others: bench/moments_variants.py)")
     ap.add_argument("--panels", default=str(Moments.PANELS),
                     help="comma-separated row panels of the upper triangle (Moments.PANELS; 1: full products)")
     ap.add_argument("--reduced", default="on", help="comma-separated on/off: torch.backends.cuda.matmul."
@@ -102,24 +102,26 @@ def main() -> None:
         n = float(exact.n[0])
         mean = exact.s1[0].numpy() / n
         C64 = exact.s2(0) / n - np.outer(mean, mean)
-        for variant, chunk, panels, reduced in ((v, int(c), int(p), r) for v in args.variants.split(",")
-                                                for c in args.chunks.split(",") for p in args.panels.split(",")
-                                                for r in args.reduced.split(",")):
+        panel_counts = [int(p) for p in args.panels.split(",")]
+        for variant, chunk, panels, reduced in ((v, int(c), p, r) for v in args.variants.split(",")
+                                                for c in args.chunks.split(",")
+                                                for p in (panel_counts if v == "lean" else panel_counts[:1])
+                                                for r in args.reduced.split(",")):  # panels: the lean path's alone
             Moments.CHUNK_BF16, Moments.PANELS = chunk, panels
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced == "on"
             cls = VARIANTS[variant]
-            lean = cls(1, d, dev, cross=False, precision="bfloat16", background=False)
-            lean.add(0, h, ok)  # decides raw or split
-            split = bool(lean._split[0])
-            c = lean._c[0]
-            t_lean = timed(lambda: lean.add(0, h, ok), sync, args.repeats, clock)
+            m = cls(1, d, dev, cross=False, precision="bfloat16", background=False)
+            m.add(0, h, ok)  # decides raw or split
+            split = bool(m._split[0])
+            c = m._c[0]
+            t_lean = timed(lambda: m.add(0, h, ok), sync, args.repeats, clock)
             S = torch.zeros(d, d, dtype=torch.float64, device=dev)
             t_full = timed(lambda: full_products(h, S, split, c, out), sync, args.repeats, clock)
             check = cls(1, d, dev, cross=False, precision="bfloat16", background=False)
             check.add(0, h, ok)
             err = np.abs(check.s2(0) / n - np.outer(mean, mean) - C64).max() / np.abs(C64).max()
-            path = (f"split (ratio {lean._ratio[0]:.3g}, dim {lean._dim_ratio[0]:.3g})" if split else
-                    f"raw (ratio {lean._ratio[0]:.3g}, dim {lean._dim_ratio[0]:.3g})")
+            path = (f"split (ratio {m._ratio[0]:.3g}, dim {m._dim_ratio[0]:.3g})" if split else
+                    f"raw (ratio {m._ratio[0]:.3g}, dim {m._dim_ratio[0]:.3g})")
             print(f"{kind:8} {variant:8} {chunk:6} {panels:6} {reduced:>7} {path:36} {t_lean:8.2f} {t_full:8.2f} {t_lean / t_full:6.2f} "
                   f"{err:15.2e}", flush=True)
 

@@ -63,7 +63,6 @@ def main() -> None:
     print(f"torch {torch.__version__}, {dev} ({torch.cuda.get_device_name() if cuda else 'CPU'}); B {B}, T {T}, "
           f"d {d}, V {V}, {L} layers per batch, {args.repeats} batches timed; ms per layer (device time)")
     first = None
-    rows = []
     for config in args.configs.split():
         sizes = parse(config)
         saved = {k: getattr(fused, k) for k in sizes}
@@ -101,7 +100,6 @@ def main() -> None:
         finally:
             for k, v in saved.items():
                 setattr(fused, k, v)
-        rows.append((config, times, same))
         print(f"{config:36} " + " ".join(f"{k} {v:.3f}" for k, v in sorted(times.items()))
               + f"  total {sum(times.values()):.3f}; sums against the first: {same:.1e}", flush=True)
 
