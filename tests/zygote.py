@@ -38,6 +38,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV_SOCKET = "ISO_TEST_ZYGOTE"  # where a client finds the server (set in the pytest process's environment)
+# The server imports with one intra-op thread (an import that runs a torch op would otherwise start OpenMP's
+# pool, whose threads a fork cannot carry); a child without OMP_NUM_THREADS gets this count, the one a
+# fresh interpreter would take.
+ENV_THREADS = "ISO_TEST_ZYGOTE_THREADS"
 # Read by a library when it is imported, so a child cannot change them: a request that sets one of them
 # to another value than the server's runs in a real interpreter instead.
 IMPORT_TIME = ("ISOTROPY_WAREHOUSE", "HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_OFFLINE",
@@ -228,8 +232,9 @@ def _fresh_state(env: dict) -> None:
     import torch
 
     n = env.get("OMP_NUM_THREADS")
-    if n and n.isdigit() and int(n) > 0:
-        torch.set_num_threads(int(n))
+    if not (n and n.isdigit() and int(n) > 0):  # unset: a fresh interpreter's own count (the server ran on one)
+        n = os.environ.get(ENV_THREADS, "1")
+    torch.set_num_threads(int(n))
     import numpy as np
 
     np.random.seed()
@@ -311,8 +316,11 @@ class Server:
             return None
         tmp = tempfile.mkdtemp(prefix="iso-zygote-")
         path = os.path.join(tmp, "s")
+        import torch
+
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+            [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
+            "OMP_NUM_THREADS": "1", ENV_THREADS: str(torch.get_num_threads())}
         log = open(os.path.join(tmp, "log"), "w")
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), path], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=log, env=env, cwd=ROOT)
