@@ -115,6 +115,8 @@ class _ByFile:
 def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist"):  # (its hook is unknown under -p no:xdist)
         config.pluginmanager.register(_ByFile(), "iso-tests-by-file")
+        if not hasattr(config, "workerinput") and config.getvalue("dist") != "no" and config.getvalue("numprocesses"):
+            zygote.SERVER.start()  # one fork server for every worker, importing while they start
 
 
 @pytest.fixture(scope="session")
@@ -135,7 +137,7 @@ def pytest_collection_finish(session):
 
 
 def _scalar_cpu_kernels() -> None:
-    """Inductor's C++ kernels without SIMD in the test processes.  The tests compile the GPU path's
+    """Inductor's C++ kernels without SIMD or a precompiled header in the test processes.  The tests compile the GPU path's
     steps (kernels.py, qk_kernels.py) on the CPU to check their graphs — sums equal to the eager path's,
     no recompile — which the C++ kernels' vectorisation does not change; scalar C++ builds faster (each
     distinct graph is built once per run, from a cold cache in CI)."""
@@ -143,6 +145,9 @@ def _scalar_cpu_kernels() -> None:
         import torch._inductor.config as inductor
 
         inductor.cpp.simdlen = 1
+        # Nor a precompiled header: building it costs g++ more than it saves over the few graphs a run builds
+        # (each kernel's build parses torch's headers either way, and here took longer with it).
+        inductor.cpp_cache_precompile_headers = False
         # No SIMD ISA is 1 element wide, so inductor picks none whatever ISAs the CPU has; finding them
         # costs a probe build per ISA (g++ with torch's headers), which would then decide nothing.
         from torch._inductor import cpu_vec_isa

@@ -42,6 +42,7 @@ ENV_SOCKET = "ISO_TEST_ZYGOTE"  # where a client finds the server (set in the py
 # pool, whose threads a fork cannot carry); a child without OMP_NUM_THREADS gets this count, the one a
 # fresh interpreter would take.
 ENV_THREADS = "ISO_TEST_ZYGOTE_THREADS"
+ENV_SHARED = "ISO_TEST_ZYGOTE_SERVER"  # [pid, socket path, log path] of a server started by another process
 # Read by a library when it is imported, so a child cannot change them: a request that sets one of them
 # to another value than the server's runs in a real interpreter instead.
 IMPORT_TIME = ("ISOTROPY_WAREHOUSE", "HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_OFFLINE",
@@ -113,8 +114,9 @@ def serve(path: str) -> None:
         print(f"zygote: threads after the imports {threads}; forking is not safe", file=sys.stderr)
         sys.exit(3)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(path + ".tmp")
     listener.listen(64)
+    os.rename(path + ".tmp", path)  # the path appears once the server listens (clients wait for it)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -300,60 +302,88 @@ def _exit_code(value) -> int:
 
 
 class Server:
-    """The fork server of this pytest process, started at the first request (once)."""
+    """The fork server of this pytest process: started at the first request (once), or, under pytest-xdist,
+    started by the controller when the session starts (`start`, not waiting for its imports) and shared
+    by every worker, which finds it through ENV_SHARED and waits for its socket at its first request."""
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None
+        self.pid: int | None = None
         self.path: str | None = None
         self.failed: str | None = None
 
+    def start(self) -> None:
+        """Start the server in the background and name it in this process's environment (which the
+        processes started after inherit)."""
+        if os.environ.get("ISO_TEST_NO_ZYGOTE") or self.proc is not None:
+            return
+        import torch
+
+        tmp = tempfile.mkdtemp(prefix="iso-zygote-")
+        path, log = os.path.join(tmp, "s"), os.path.join(tmp, "log")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
+            "OMP_NUM_THREADS": "1", ENV_THREADS: str(torch.get_num_threads())}
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), path], stdin=subprocess.PIPE,
+                                         stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=ROOT)
+        self.pid = self.proc.pid
+        os.environ[ENV_SHARED] = json.dumps([self.pid, path, log])
+
     def ensure(self) -> str | None:
-        """The server's socket path (starting it if needed), or None where it cannot run."""
+        """The server's socket path (starting it if needed, waiting for it to listen), or None where it
+        cannot run."""
         if self.path or self.failed:
             return self.path
         if os.environ.get("ISO_TEST_NO_ZYGOTE"):
             self.failed = "ISO_TEST_NO_ZYGOTE is set"
             return None
-        tmp = tempfile.mkdtemp(prefix="iso-zygote-")
-        path = os.path.join(tmp, "s")
-        import torch
-
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
-            "OMP_NUM_THREADS": "1", ENV_THREADS: str(torch.get_num_threads())}
-        log = open(os.path.join(tmp, "log"), "w")
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), path], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=log, env=env, cwd=ROOT)
-        line = self.proc.stdout.readline()
-        if line.strip() != b"ready":
-            self.proc.kill()
-            self.failed = f"fork server did not start: {open(log.name).read()[-2000:]}"
-            raise RuntimeError(self.failed)
+        if ENV_SHARED not in os.environ:
+            self.start()
+        self.pid, path, log = json.loads(os.environ[ENV_SHARED])
+        while not os.path.exists(path):  # it appears when the server listens (serve: bound, then renamed)
+            ended = self.proc.poll() is not None if self.proc is not None else not _alive(self.pid)
+            if ended:
+                self.failed = f"fork server did not start: {open(log).read()[-2000:]}"
+                raise RuntimeError(self.failed)
+            time.sleep(0.02)
         self.path = path
         os.environ[ENV_SOCKET] = path  # for the `python` stand-in in grandchildren (Slurm scripts)
         return path
 
     def cpu(self) -> float:
         """CPU seconds of the server and its children that ended (every forked child, however it was
-        started: Popen here, the `python` stand-in, torchrun's ranks)."""
-        if self.proc is None:
+        started: Popen here, the `python` stand-in, torchrun's ranks; a shared server's: every worker's)."""
+        if self.pid is None:
             return 0.0
         try:
-            fields = open(f"/proc/{self.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+            fields = open(f"/proc/{self.pid}/stat").read().rsplit(")", 1)[1].split()
         except OSError:
             return 0.0
         return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
+        """End the server if this process started it (a worker leaves a shared one to the controller)."""
         if self.proc is not None:
             self.proc.stdin.close()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        if self.path:
-            shutil.rmtree(os.path.dirname(self.path), ignore_errors=True)
+            shutil.rmtree(os.path.dirname(json.loads(os.environ[ENV_SHARED])[1]), ignore_errors=True)
+            os.environ.pop(ENV_SHARED, None)
         os.environ.pop(ENV_SOCKET, None)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{pid}") else "X"
+    return state not in ("Z", "X")
 
 
 SERVER = Server()
