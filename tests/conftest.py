@@ -115,8 +115,10 @@ class _ByFile:
 def pytest_configure(config):
     if config.pluginmanager.hasplugin("xdist"):  # (its hook is unknown under -p no:xdist)
         config.pluginmanager.register(_ByFile(), "iso-tests-by-file")
-        if not hasattr(config, "workerinput") and config.getvalue("dist") != "no" and config.getvalue("numprocesses"):
+        if (not hasattr(config, "workerinput") and config.getvalue("dist") != "no" and config.getvalue("numprocesses")
+                and not config.getvalue("collectonly")):
             zygote.SERVER.start()  # one fork server for every worker, importing while they start
+            config.add_cleanup(zygote.SERVER.stop)  # (also where no session runs: --help, --markers)
 
 
 @pytest.fixture(scope="session")

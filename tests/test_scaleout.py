@@ -95,9 +95,16 @@ def reduce_one(workdir, reduce_sources, model_factory):
              "--attention-moments", "--attention-sinks"],
             [*common, "--source", f"pile={reduce_sources['split3']}", "--split-by", "meta.pile_set_name"]]
     one = workdir / "reduce-one"
-    for a in runs:
-        code, _, err = run_cli("extract", *a, "--warehouse", one)
-        assert code == 0, err
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run (torchrun's OMP_NUM_THREADS=1): the same float32 forward
+    try:
+        for a in runs:
+            code, _, err = run_cli("extract", *a, "--warehouse", one)
+            assert code == 0, err
+    finally:
+        torch.set_num_threads(threads)
     return runs, one
 
 

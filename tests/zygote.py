@@ -104,6 +104,8 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def serve(path: str) -> None:
+    global _THREADS
+    _THREADS = os.environ.get(ENV_THREADS, "1")  # (a child's os.environ becomes its caller's before it reads this)
     preload()
     threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
     others = [t for t in threads[1:] if t not in FORK_SAFE_THREADS]
@@ -180,7 +182,12 @@ def serve(path: str) -> None:
                                             *(c.fileno() for c in by_conn)])
             for fd in fds:
                 os.close(fd)
-            conn.sendall(f"pid {pid}\n".encode())
+            try:
+                conn.sendall(f"pid {pid}\n".encode())
+            except OSError:  # the client is gone already (killed while it started): so is its child
+                _kill(pid)
+                conn.close()
+                continue
             by_pid[pid] = conn
             by_conn[conn] = pid
 
@@ -227,6 +234,9 @@ def _child(request: dict, fds: list[int], close: list[int]) -> None:
     os._exit(code)
 
 
+_THREADS = "1"  # a child's intra-op threads where its request sets no OMP_NUM_THREADS (serve sets it)
+
+
 def _fresh_state(env: dict) -> None:
     """What a fresh interpreter would have that the imports in the server fixed: the thread count from
     OMP_NUM_THREADS, unseeded global random generators.  (The warehouse reads the pid a lease or a commit
@@ -235,7 +245,7 @@ def _fresh_state(env: dict) -> None:
 
     n = env.get("OMP_NUM_THREADS")
     if not (n and n.isdigit() and int(n) > 0):  # unset: a fresh interpreter's own count (the server ran on one)
-        n = os.environ.get(ENV_THREADS, "1")
+        n = _THREADS
     torch.set_num_threads(int(n))
     import numpy as np
 
@@ -311,6 +321,7 @@ class Server:
         self.pid: int | None = None
         self.path: str | None = None
         self.failed: str | None = None
+        self.dir: str | None = None  # the socket's and the log's directory, where this process started the server
 
     def start(self) -> None:
         """Start the server in the background and name it in this process's environment (which the
@@ -319,7 +330,7 @@ class Server:
             return
         import torch
 
-        tmp = tempfile.mkdtemp(prefix="iso-zygote-")
+        tmp = self.dir = tempfile.mkdtemp(prefix="iso-zygote-")
         path, log = os.path.join(tmp, "s"), os.path.join(tmp, "log")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]),
@@ -353,7 +364,8 @@ class Server:
 
     def cpu(self) -> float:
         """CPU seconds of the server and its children that ended (every forked child, however it was
-        started: Popen here, the `python` stand-in, torchrun's ranks; a shared server's: every worker's)."""
+        started: Popen here, the `python` stand-in, torchrun's ranks).  A server shared by xdist's workers
+        counts both workers' children: measure with `-p no:xdist` (tests/README.md)."""
         if self.pid is None:
             return 0.0
         try:
@@ -365,13 +377,17 @@ class Server:
     def stop(self) -> None:
         """End the server if this process started it (a worker leaves a shared one to the controller)."""
         if self.proc is not None:
+            if not os.path.exists(os.path.join(self.dir, "s")):  # still importing (never used): no need to wait
+                self.proc.kill()
             self.proc.stdin.close()
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-            shutil.rmtree(os.path.dirname(json.loads(os.environ[ENV_SHARED])[1]), ignore_errors=True)
+                self.proc.wait()
+            shutil.rmtree(self.dir, ignore_errors=True)
             os.environ.pop(ENV_SHARED, None)
+            self.proc = None
         os.environ.pop(ENV_SOCKET, None)
 
 
