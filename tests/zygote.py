@@ -392,14 +392,11 @@ class Server:
 
 
 def _alive(pid: int) -> bool:
+    """Whether the process runs (not ended, not a zombie its parent has yet to reap)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
         return False
-    except PermissionError:
-        return True
-    state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{pid}") else "X"
-    return state not in ("Z", "X")
 
 
 SERVER = Server()
