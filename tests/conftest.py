@@ -3,6 +3,7 @@ for command-line children (tests/zygote.py).  How to write a fast test: tests/RE
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import resource
@@ -139,10 +140,10 @@ def pytest_collection_finish(session):
 
 
 def _scalar_cpu_kernels() -> None:
-    """Inductor's C++ kernels without SIMD or a precompiled header in the test processes.  The tests compile the GPU path's
-    steps (kernels.py, qk_kernels.py) on the CPU to check their graphs — sums equal to the eager path's,
-    no recompile — which the C++ kernels' vectorisation does not change; scalar C++ builds faster (each
-    distinct graph is built once per run, from a cold cache in CI)."""
+    """Inductor's C++ kernels without SIMD or a precompiled header in the test processes.  The tests
+    compile the GPU path's steps (kernels.py, qk_kernels.py) on the CPU to check their graphs — sums equal
+    to the eager path's, no recompile — which the C++ kernels' vectorisation does not change; scalar C++
+    builds faster (each distinct graph is built once per run, from a cold cache in CI)."""
     if "torch._dynamo" in sys.modules:  # imported by the test modules that compile (else not worth importing)
         import torch._inductor.config as inductor
 
@@ -236,6 +237,20 @@ def run_cli(*args: str):
 VIEWS = ["inter_sim", "inter_sim_by_source", "intra_sim", "avg_intra_sim", "inter_sim_by_frequency",
          "dim_contrib", "drift", "intra_sentence_sim", "anisotropy", "linearity", "inter_sim_types",
          "layer_change", "random_word_sim"]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch's intra-op threads at 1 while inside (float32 sums then add in the order a one-thread process's
+    do: torchrun's ranks, the moments' background worker); the count before comes back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def views(wh) -> dict:

@@ -327,16 +327,14 @@ def test_bf16_moments_error_is_bounded_whatever_the_mean():
     for m in ms.values():
         m.CHUNK_BF16 = 1024
     exact = Moments(L, d, "cpu", precision="float64", background=False)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the worker's own count: float32 products summed in the same order on both
-    try:
+    from conftest import one_thread
+
+    with one_thread():  # the worker's own count: float32 products summed in the same order on both
         for hs, ok in batches:
             for layer, h in enumerate(hs):
                 for m in (*ms.values(), exact):
                     m.add(layer, h, ok)
         ms["thread"].finish()
-    finally:
-        torch.set_num_threads(threads)
     inline, thread, raw = ms["inline"], ms["thread"], ms["raw"]
     assert inline._split == [False, True, False] and raw._split == [False, False, False]
     assert inline.paths["moments_rows"] == "centred hi+lo in layers [1] (|mu|^2/tr C > 1 or max mu_i^2/max C_ii > 8), raw elsewhere"

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from common.errors import UserError
-from conftest import ROOT, fork_popen, fork_run, run_cli, same_numbers, same_rows, views
+from conftest import ROOT, fork_popen, fork_run, one_thread, run_cli, same_numbers, same_rows, views
 from extract.launch import Launch, detect, device_for
 
 def test_detect_shard_from_the_environment():
@@ -95,16 +95,10 @@ def reduce_one(workdir, reduce_sources, model_factory):
              "--attention-moments", "--attention-sinks"],
             [*common, "--source", f"pile={reduce_sources['split3']}", "--split-by", "meta.pile_set_name"]]
     one = workdir / "reduce-one"
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks run (torchrun's OMP_NUM_THREADS=1): the same float32 forward
-    try:
+    with one_thread():  # as the ranks run (torchrun's OMP_NUM_THREADS=1): the same float32 forward
         for a in runs:
             code, _, err = run_cli("extract", *a, "--warehouse", one)
             assert code == 0, err
-    finally:
-        torch.set_num_threads(threads)
     return runs, one
 
 

@@ -17,7 +17,7 @@ themselves: the Slurm array scripts, torchrun with `--no-python`).  A command th
 the same way (another interpreter option, an environment variable that only takes effect at import)
 falls back to a real `subprocess`.
 
-Run as `python tests/zygote.py SOCKET`: it prints `ready` on stdout once it listens, and ends
+Run as `python tests/zygote.py SOCKET`: the socket's path appears once it listens, and it ends
 (killing its children) when its stdin closes.
 """
 
@@ -126,7 +126,6 @@ def serve(path: str) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     by_pid: dict[int, socket.socket] = {}
     by_conn: dict[socket.socket, int] = {}
-    print("ready", flush=True)
     stdin = sys.stdin.fileno()
     while True:
         try:
@@ -353,8 +352,7 @@ class Server:
             self.start()
         self.pid, path, log = json.loads(os.environ[ENV_SHARED])
         while not os.path.exists(path):  # it appears when the server listens (serve: bound, then renamed)
-            ended = self.proc.poll() is not None if self.proc is not None else not _alive(self.pid)
-            if ended:
+            if not _alive(self.pid):
                 self.failed = f"fork server did not start: {open(log).read()[-2000:]}"
                 raise RuntimeError(self.failed)
             time.sleep(0.02)

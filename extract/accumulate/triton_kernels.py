@@ -119,7 +119,7 @@ def slots_kernel(h, stride, inv, order, slot, sums, counts, M, D: tl.constexpr, 
     x = tl.where(ok[:, None], x.to(tl.float64) * iv[:, None], 0.0)  # (R, BLOCK_D) û
     # each row: the sum of its run's rows up to it (a segmented scan over the block, float64 adds in
     # registers); at a run's last row in the block, the run's total there
-    f = (first[:, None] & (c[None, :] >= 0)).to(tl.int32)  # (R, BLOCK_D) 1 where a run starts, every column
+    f = tl.broadcast_to(first[:, None], (R, BLOCK_D)).to(tl.int32)  # (R, BLOCK_D) 1 where a run starts
     v, _ = tl.associative_scan((x, f), 0, _run_sum)
     ptr = sums + s[:, None].to(tl.int64) * D + c[None, :]
     mo = own[:, None] & cm[None, :]
