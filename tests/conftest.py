@@ -65,6 +65,7 @@ if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
 
 import tiny  # noqa: E402
 import zygote  # noqa: E402
+import zygote_server  # noqa: E402
 
 # `python cli.py …` in a child process, forked from a server that has imported everything (subprocess's
 # interface; see tests/zygote.py).  Use them instead of subprocess for the command line.
@@ -136,7 +137,7 @@ def pytest_collection_finish(session):
     move every imported object out of the garbage collector's way: each extract calls gc.collect()
     (extract/memory.py), which would otherwise walk them all each time in this process."""
     _scalar_cpu_kernels()
-    zygote.preload(quiet=True)
+    zygote_server.preload(quiet=True)
 
 
 def _scalar_cpu_kernels() -> None:
@@ -217,19 +218,34 @@ def model_factory(workdir):
     return make
 
 
+_COMMAND = []  # the command line's click command, built from cli.app once per test process
+
+
 def run_cli(*args: str):
-    """Run cli.py in-process; returns (exit code, stdout, stderr)."""
+    """Run cli.py in-process (as typer's CliRunner does, on a command built once); returns (exit code,
+    stdout, stderr).  An exception other than SystemExit propagates to the test."""
+    from typer.main import get_command
     from typer.testing import CliRunner
 
     import cli
 
+    if not _COMMAND:
+        _COMMAND.append(get_command(cli.app))
     if _CPU_LOG:
         _CALLS[str(args[0])] = _CALLS.get(str(args[0]), 0) + 1
     gc.freeze()  # what the test made so far, out of the way of this command's gc.collect() calls
-    result = CliRunner().invoke(cli.app, [str(a) for a in args])
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
+    with CliRunner().isolation() as (out, err, _):
+        try:
+            _COMMAND[0].main(args=[str(a) for a in args], prog_name="cli.py")
+            code = 0
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        stdout, stderr = out.getvalue(), err.getvalue()
+    assert isinstance(code, int), code  # the command line exits with a number
+    return code, *(b.decode("utf-8", "replace").replace("\r\n", "\n") for b in (stdout, stderr))
 
 
 # ---------------------------------------------------------------- one extract, and its views compared

@@ -219,6 +219,15 @@ def _runs_view_sql(st, manifest: Manifest, con) -> str:
         f"CAST(NULL AS {schema.duckdb_type(f.type)}) AS {f.name}" for f in schema.RUNS) + " WHERE false;"
 
 
+def deferred(statement: str) -> str:
+    """A CREATE VIEW statement of `all_view_sql` that DuckDB binds when a query reads the view instead of
+    when it is created.  A query binds every view it reads anyway; binding at creation too (each base
+    table's Parquet metadata read, each metric's views expanded again) was most of opening a connection."""
+    head, sep, rest = statement.partition(" AS")
+    assert head.startswith("CREATE OR REPLACE VIEW ") and sep, statement
+    return f"{head} WITH (DEFER_BINDING) AS{rest}"
+
+
 def view_names() -> set[str]:
     """Every view's name: the base tables, `runs` and the metrics of queries/."""
     return set(BASE_VIEWS) | {m.name for m in load_metrics()}
