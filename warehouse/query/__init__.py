@@ -29,7 +29,7 @@ from ..storage import open_storage, reading_once, retry_policy
 from .checks import PendingPartials, pending_line, verify_listed
 from .readonly import (READ_ONLY_SETTINGS, ReadOnlyConnection, ReadOnlyRelation, check_read_only, listed_paths,
                        read_only)
-from .views import (BASE_VIEWS, QUERIES_DIR, Metric, all_view_sql, base_view_sql, deferred, bound_files, file_literal,
+from .views import (BASE_VIEWS, QUERIES_DIR, Metric, all_view_sql, base_view_sql, bound_files, deferred, file_literal,
                     glob_escaped, glob_unescaped, load_metrics, sql_literal, view_closure, view_names,
                     views_read, views_reference)
 from .views_file import companions_current, refresh_companions, views_tag, write_views_file
