@@ -231,8 +231,9 @@ def test_every_query_header_matches_its_columns(core):
 
 def test_a_connection_of_some_views_has_those_and_their_inputs_and_the_same_rows(core):
     """connect(wh, views=[…]) creates each named view and what it reads (by the headers' Inputs), nothing
-    else, each unbound until a query reads it, and each view's rows equal the full connection's; `sql()` and `cli.py sql` open only what a
-    query reads, and every view for a catalogue query or a name that is no view."""
+    else, each unbound until a query reads it, and each view's rows equal the full connection's; `sql()`
+    and `cli.py sql` open only what a query reads, and every view for a catalogue query or a name that is
+    no view."""
     from warehouse.query import view_closure, views_read
 
     VIEW_NAMES = "SELECT view_name FROM duckdb_views() WHERE NOT internal AND left(view_name, 1) <> '_'"

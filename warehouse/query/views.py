@@ -220,12 +220,13 @@ def _runs_view_sql(st, manifest: Manifest, con) -> str:
 
 
 def deferred(statement: str) -> str:
-    """A CREATE VIEW statement of `all_view_sql` that DuckDB binds when a query reads the view instead of
-    when it is created.  A query binds every view it reads anyway; binding at creation too (each base
-    table's Parquet metadata read, each metric's views expanded again) was most of opening a connection."""
-    head, sep, rest = statement.partition(" AS")
-    assert head.startswith("CREATE OR REPLACE VIEW ") and sep, statement
-    return f"{head} WITH (DEFER_BINDING) AS{rest}"
+    """A CREATE VIEW statement of `all_view_sql`, made so that DuckDB (2.0 on) binds the view when a query
+    reads it rather than when it is created.  A query binds every view it reads in any case; binding at
+    creation as well would read each base table's Parquet metadata and expand every metric's inputs
+    again, for views most connections never read."""
+    m = re.match(r"CREATE OR REPLACE VIEW (\w+) AS\b", statement)
+    assert m, statement
+    return f"CREATE OR REPLACE VIEW {m.group(1)} WITH (DEFER_BINDING) AS{statement[m.end():]}"
 
 
 def view_names() -> set[str]:
