@@ -298,9 +298,11 @@ def extract_model(model, tokenizer, sources, warehouse, *, name: str, checkpoint
 def headlines(warehouse, name: str, checkpoint: str) -> dict[str, float]:
     """The last layer's Inter-Sim and average Intra-Sim, and I(W) of the embedding and unembedding
     (raw, not centred), of one (model, checkpoint), from the warehouse's views."""
-    from warehouse.query import connect
+    import duckdb
 
-    con = connect(warehouse)
+    from warehouse.query import connect, duckdb_error_line
+
+    con = connect(warehouse, views=["inter_sim", "avg_intra_sim", "isotropy"])
     try:
         out = {}
         for key, query in (
@@ -316,6 +318,8 @@ def headlines(warehouse, name: str, checkpoint: str) -> dict[str, float]:
             if row is not None and row[0] is not None:
                 out[key] = float(row[0])
         return out
+    except duckdb.Error as e:  # a file gone since connect() checked it, say: one line
+        raise UserError(duckdb_error_line(e)) from None
     finally:
         con.close()
 

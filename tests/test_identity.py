@@ -284,9 +284,34 @@ def test_python_sql_refuses_writes(wh, tmp_path):
 # ---------------------------------------------------------------- one line, not a traceback
 
 
-def test_report_with_a_missing_listed_file_is_one_line(model, sources, tmp_path):
+def test_report_with_a_missing_listed_file_is_one_line(model, sources, tmp_path, monkeypatch):
+    """A listed file gone: `report` and `sql` say so in one line (checked before DuckDB opens anything),
+    and so do the queries of a connection opened before it went (the views bind when read, under the lock)."""
+    import warehouse.query
+    from common.errors import UserError
+    from extract.api import headlines
+    from warehouse.query import connect, duckdb_error_line
+
     wh = tmp_path / "wh"
     assert extract(model, wh, source=f"alpha={sources['alpha']}")[0] == 0
+    gone = next((wh / "tables" / "layer_totals").rglob("*.parquet"))  # read by inter_sim
+    kept = gone.read_bytes()
+
+    def connect_then_lose_it(*args, **kw):
+        con = connect(*args, **kw)
+        gone.unlink()
+        return con
+
+    monkeypatch.setattr(warehouse.query, "connect", connect_then_lose_it)
+    with pytest.raises(duckdb.Error) as raised:
+        warehouse.query.connect(wh).execute("SELECT * FROM inter_sim").fetchall()
+    line = duckdb_error_line(raised.value)
+    assert "listed in the manifest but missing" in line and "layer_totals" in line, line
+    gone.write_bytes(kept)
+    with pytest.raises(UserError, match=r"layer_totals.*listed in the manifest but missing"):
+        headlines(wh, "m", "c")  # (its connection made, then the file gone)
+    monkeypatch.undo()
+    gone.write_bytes(kept)
     next((wh / "tables" / "token_stats").rglob("*.parquet")).unlink()
     for args in (("report", "--out", tmp_path / "rep"), ("sql", "SELECT * FROM intra_sim")):
         line = one_line_error(*run_cli(*args, "--warehouse", wh)[::2])

@@ -78,7 +78,10 @@ def connect(root=DEFAULT_WAREHOUSE, views=None) -> "ReadOnlyConnection":
 def duckdb_error_line(e: Exception) -> str:
     """A DuckDB error as one line; a file the manifest lists but that is gone is named as such."""
     text = " ".join(str(e).split())
-    m = re.search(r'No files found that match the pattern "([^"]+)"', text)
+    # A listed file that is gone: DuckDB finds no such file, or, under the lock (`read_only`), tries the
+    # path as a directory (PATH/**/*.parquet), which allowed_paths refuses.
+    m = re.search(r'No files found that match the pattern "([^"]+)"', text) or \
+        re.search(r'Cannot access (?:file|directory) "([^"]+?)/\*\*/\*\.parquet"', text)
     if m:
         return f"{glob_unescaped(m.group(1))}: listed in the manifest but missing (run `python cli.py validate`)"
     if "AWS Error" in text:  # a scan's S3 read that failed past the retries (or at once: see s3_retry)
