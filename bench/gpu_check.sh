@@ -63,7 +63,7 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 B="bench/bench_extract.py --device cuda --dtype bfloat16 --direct --moments --no-write --batches 4"
 P14="--hidden 2048 --layers 24 --batch 8 --seq 2048"
 step p14 120 $P $B $P14 --triton --profile --check
-step tests 120 $P -m pytest tests/test_gpu_path.py tests/test_extract.py -p no:xdist -p no:cacheprovider \
+step tests 120 $P -m pytest tests/test_gpu_path.py tests/test_accumulate.py -p no:xdist -p no:cacheprovider \
     -k "cuda or gpu_paths or triton or lack"
 step p14-grouped 90 $P $B $P14 --moments-variant grouped --check
 step p14-1024 90 $P $B $P14 --moments-chunk 1024 --moments-panels 1 --check

@@ -82,10 +82,11 @@ call_all = zygote.call_all  # functions in processes of their own (multiprocessi
 # worker's core idles through most of it (the S3 clients' back-off sleeps), and test_scaleout.py, which
 # starts beside it, runs torchrun's ranks in parallel on that core.  The other files follow in their
 # usual order.  Any order must pass: a test never relies on another having run.
-LONGEST_FIRST = ("test_s3_faults.py", "test_scaleout.py", "test_fold_adversarial.py", "test_reliability.py", "test_s3.py",
-                 "test_repair.py", "test_extract.py", "test_report.py", "test_discovery.py", "test_merge.py",
-                 "test_identity.py", "test_demo.py", "test_operator_faults.py", "test_families.py", "test_spill.py",
-                 "test_peers.py", "test_fold.py", "test_cli.py", "test_attention.py", "test_api.py")
+LONGEST_FIRST = ("test_s3_faults.py", "test_scaleout.py", "test_fold_adversarial.py", "test_reliability.py",
+                 "test_s3.py", "test_repair.py", "test_extract.py", "test_accumulate.py", "test_report.py",
+                 "test_triton.py", "test_discovery.py", "test_merge.py", "test_identity.py", "test_demo.py",
+                 "test_operator_faults.py", "test_families.py", "test_spill.py", "test_peers.py", "test_fold.py",
+                 "test_cli.py", "test_attention.py", "test_api.py")
 
 
 def _file_rank(nodeid: str) -> int:

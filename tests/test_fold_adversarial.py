@@ -1,19 +1,16 @@
 """Adversarial tests of appended partials and one fold per group: random sequences of
 appends, folds, re-runs, covering shards and --replace across two sources against a clean one-shot
 fold; races decided in-process (a writer's publish interleaved with another's commit); kill -9 in
-`cli.py merge` and `extract --no-fold`; validate --fix beside pending partials; the verified-files
-cache against changed bytes and a torn line; real extracts of a tiny model with every merged table.
+`cli.py merge` and `extract --no-fold`; validate --fix beside pending partials (the verified-files
+cache and real extracts with every merged table: test_fold_cache.py).
 
 Tests marked `# Was a bug (fixed):` failed on the code they were written against; each says
 what went wrong."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
-import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -22,82 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from conftest import call_all, run_cli
+from fold_checks import (data, drop_files, forget_this_process, invariants, one_shot_fold, quiet_snapshot,
+                         unlisted, views_close)
 from common.errors import UserError
-from test_merge import _partial, _snapshot, check_against, oracle
+from test_merge import _partial, check_against, oracle
 from test_reliability import run_subprocess
 from warehouse import merge, store
-from warehouse.query import PendingPartials, connect
-from warehouse.storage import open_storage
 from warehouse.validate import validate
-
-
-# ---------------------------------------------------------------- helpers
-
-
-def _quiet_snapshot(root: Path) -> dict:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PendingPartials)
-        return _snapshot(root)
-
-
-def _data(root: Path) -> list[dict]:
-    return [e for e in store.read_manifest(root)["entries"].values() if e["kind"] == "data"]
-
-
-def _unlisted(root: Path, keep: list[dict] = ()) -> set[str]:
-    """Parquet files under tables/ that no manifest entry lists (nor the uncommitted entries `keep`)."""
-    listed = {f for e in [*store.read_manifest(root)["entries"].values(), *keep] for f in e["files"].values()}
-    return {str(p.relative_to(root)) for p in (root / "tables").rglob("*.parquet")} - listed
-
-
-def _drop_files(root: Path, entry: dict) -> None:
-    for rel in entry["files"].values():
-        (root / rel).unlink(missing_ok=True)
-
-
-def _clean(root: Path, dest: Path) -> Path:
-    """A fresh warehouse at `dest` holding the partials `root` lists now, committed in one folding
-    commit (their files copied to the same paths): the one-shot fold every sequence must equal."""
-    entries = _data(root)
-    for e in entries:
-        for rel in e["files"].values():
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(root / rel, dest / rel)
-    merge.commit(dest, entries)
-    return dest
-
-
-def _views_close(a: Path, b: Path, rtol: float = 1e-9) -> None:
-    """Every view of `a` equals `b`'s: integers and strings exactly, floats to rtol."""
-    sa, sb = _quiet_snapshot(a), _quiet_snapshot(b)
-    assert sa.keys() == sb.keys()
-    for view in sa:
-        ra, rb = sa[view], sb[view]
-        assert len(ra) == len(rb), view
-        for x, y in zip(ra, rb):
-            for u, v in zip(x, y):
-                if isinstance(u, float) and isinstance(v, float):
-                    assert (np.isnan(u) and np.isnan(v)) or abs(u - v) <= rtol * max(abs(v), 1.0), (view, x, y)
-                else:
-                    assert u == v, (view, x, y)
-
-
-def _invariants(root: Path) -> None:
-    """At every moment: no merged entry holds a partial the manifest does not list, every merged table
-    equals a fresh merge of what it holds, no file is left unlisted, runs.folded agrees with pending."""
-    manifest = store.read_manifest(root)
-    assert merge.stale_groups(manifest) == ([], [])
-    assert merge.check(root, manifest) == []
-    assert _unlisted(root) == set()
-    pending_ids = {merge.partial_id(e) for todo in merge.pending(manifest).values() for e in todo}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PendingPartials)
-        con = connect(root, views=["runs"])
-    rows = con.execute("SELECT run_id, model, checkpoint, source, shard, folded FROM runs WHERE kind = 'data'").fetchall()
-    con.close()
-    by_run = {e["run_id"]: e for e in manifest["entries"].values() if e["kind"] == "data"}
-    for run_id, *_, folded in rows:
-        assert folded == (merge.partial_id(by_run[run_id]) not in pending_ids)
 
 
 # ---------------------------------------------------------------- (1) random sequences of operations
@@ -132,7 +60,7 @@ def test_random_sequences_equal_a_clean_one_shot_fold(ops):
                 except UserError as err:
                     assert "shares documents" in str(err), err
                     for e in es:
-                        _drop_files(root, e)
+                        drop_files(root, e)
             else:
                 if op[0] == "add":
                     _, source, shard, fold, replace = op
@@ -145,19 +73,19 @@ def test_random_sequences_equal_a_clean_one_shot_fold(ops):
                     merge.commit(root, [e], fold=fold, replace=replace)
                 except UserError as err:  # a shard of 2 beside 1/1 or 1/3 without --replace
                     assert "shares documents" in str(err), err
-                    _drop_files(root, e)
+                    drop_files(root, e)
             if (root / store.LOG_DIR).exists():
-                _invariants(root)
-        if not _data(root):
+                invariants(root)
+        if not data(root):
             return
         merge.fold_pending(root)
         assert merge.pending(store.read_manifest(root)) == {}
-        _invariants(root)
-        check_against(root, oracle(root, _data(root)))
-        clean = _clean(root, Path(tmp) / "clean")
-        _views_close(root, clean)
+        invariants(root)
+        check_against(root, oracle(root, data(root)))
+        clean = one_shot_fold(root, Path(tmp) / "clean")
+        views_close(root, clean)
         merge.compact(root)
-        _views_close(root, clean)
+        views_close(root, clean)
         assert validate(root) == []
 
 
@@ -172,18 +100,18 @@ def test_covering_shard_after_folded_and_pending_halves_then_replace_back(tmp_pa
     merge.commit(root, [b1])
     merge.commit(root, [a2], fold=False)
     merge.commit(root, [b2], fold=False)
-    _invariants(root)
+    invariants(root)
     cover = _partial(root, rng, "s0", "1-of-1")
     merge.commit(root, [cover], fold=False)  # a1 held: un-folded; a2 pending: dropped
-    _invariants(root)
-    assert {e["key"] for e in _data(root)} == {cover["key"], b1["key"], b2["key"]}
+    invariants(root)
+    assert {e["key"] for e in data(root)} == {cover["key"], b1["key"], b2["key"]}
     again = _partial(root, rng, "s0", "1-of-2")
     merge.commit(root, [again], fold=False, replace=True)  # conflicts with 1/1, which s0 holds since: un-folded
-    _invariants(root)
+    invariants(root)
     merge.fold_pending(root)
-    _invariants(root)
-    check_against(root, oracle(root, _data(root)))
-    _views_close(root, _clean(root, tmp_path / "clean"))
+    invariants(root)
+    check_against(root, oracle(root, data(root)))
+    views_close(root, one_shot_fold(root, tmp_path / "clean"))
 
 
 def test_one_commit_of_two_overlapping_shards_of_a_source_is_refused(tmp_path):
@@ -232,7 +160,7 @@ def test_a_folding_commit_that_lost_to_compact_leaves_no_files_behind(tmp_path, 
     with pytest.raises(UserError, match="compacted"):
         merge.commit(root, [b])
     assert raced
-    assert _unlisted(root, keep=[b]) == set()
+    assert unlisted(root, keep=[b]) == set()
 
 
 def test_an_appending_rerun_that_lost_to_a_fold_of_its_partial_unfolds_it(tmp_path, monkeypatch):
@@ -247,8 +175,8 @@ def test_an_appending_rerun_that_lost_to_a_fold_of_its_partial_unfolds_it(tmp_pa
     raced = _race(monkeypatch, lambda: merge.fold_pending(root))
     merge.commit(root, [a2], fold=False)
     assert raced
-    _invariants(root)
-    assert {e["key"]: e["run_id"] for e in _data(root)}[a["key"]] == a2["run_id"]
+    invariants(root)
+    assert {e["key"]: e["run_id"] for e in data(root)}[a["key"]] == a2["run_id"]
     merge.fold_pending(root)
     check_against(root, oracle(root, [a2, b]))
 
@@ -265,7 +193,7 @@ def test_a_fold_that_lost_to_a_rerun_of_its_pending_partial_folds_the_rerun(tmp_
     raced = _race(monkeypatch, lambda: merge.commit(root, [a2], fold=False))
     merge.fold_pending(root)
     assert raced
-    _invariants(root)
+    invariants(root)
     merge.fold_pending(root)
     check_against(root, oracle(root, [a2, c]))
 
@@ -285,7 +213,7 @@ def test_a_merge_whose_only_pending_partial_was_rerun_meanwhile_folds_the_rerun(
     raced = _race(monkeypatch, lambda: merge.commit(root, [a2], fold=False))
     n = merge.fold_pending(root)
     assert raced
-    _invariants(root)
+    invariants(root)
     assert merge.pending_pairs(store.read_manifest(root)) == [], f"fold_pending returned {n}, folded nothing"
     check_against(root, oracle(root, [a2]))
 
@@ -334,7 +262,7 @@ def test_a_fold_whose_old_state_another_writer_replaced_meanwhile_retries(tmp_pa
     merge.commit(root, [b])
     merge.commit(root, [c], fold=False)
     want = oracle(root, [a, b, c] + ([d] if other == "folding commit" else []))
-    _forget_this_process(monkeypatch)  # (as if another process had written them)
+    forget_this_process(monkeypatch)  # (as if another process had written them)
     done = []
 
     def run_other():
@@ -377,7 +305,7 @@ def test_a_folding_commit_that_lost_to_an_appending_cover_refolds(tmp_path, monk
     raced = _race(monkeypatch, lambda: merge.commit(root, [cover], fold=False))
     merge.commit(root, [b])
     assert raced
-    _invariants(root)
+    invariants(root)
     merge.fold_pending(root)
     check_against(root, oracle(root, [cover, b]))
 
@@ -407,7 +335,7 @@ def test_compact_that_lost_to_an_appending_commit_folds_it_then_compacts(tmp_pat
     assert calls
     manifest = store.read_manifest(root)
     assert merge.pending(manifest) == {} and merge.is_compacted(manifest, "m", "c")
-    assert {e["key"] for e in _data(root)} == {a["key"], b["key"], c["key"]}
+    assert {e["key"] for e in data(root)} == {a["key"], b["key"], c["key"]}
     check_against(root, want)
     assert validate(root) == []
 
@@ -487,7 +415,7 @@ def test_racing_folds_appends_folding_commits_and_compact_of_another_checkpoint(
     rerun = next(r[1] for (op, *_), r in zip(jobs, results) if op == "r0")
     data = [first[1], rerun] + [r[1] for (op, *_), r in zip(jobs, results) if op in ("a0", "a1", "a2", "a3")]
     check_against(root, oracle(root, data))
-    assert _unlisted(root) == set()
+    assert unlisted(root) == set()
     assert validate(root) == []
 
 
@@ -505,20 +433,20 @@ def test_kill_9_in_merge_at_more_points(tmp_path, point):
     merge.commit(root, entries[:1])
     for e in entries[1:]:
         merge.commit(root, [e], fold=False)
-    before = _quiet_snapshot(root)
+    before = quiet_snapshot(root)
     proc = run_subprocess(["merge", "--warehouse", str(root)], fault=f"{point}:1")
     assert proc.returncode == -9, proc.stderr[-2000:]
     landed = merge.pending(store.read_manifest(root)) == {}
     assert landed == (point in ("release", "gc"))
     if not landed:
-        assert _quiet_snapshot(root) == before
+        assert quiet_snapshot(root) == before
     assert run_cli("validate", "--warehouse", root, "--fix", "--grace", "0")[0] == 0
-    assert _unlisted(root) == set()
+    assert unlisted(root) == set()
     assert run_cli("merge", "--warehouse", root)[0] == 0
     again = _partial(root, rng, "s1", "1-of-2")
     merge.commit(root, [again], fold=False)  # held now: un-folded in this record
     entries[2] = again
-    _invariants(root)
+    invariants(root)
     merge.fold_pending(root)
     check_against(root, oracle(root, entries))
     assert validate(root) == []
@@ -552,19 +480,19 @@ def test_kill_9_in_extract_no_fold(no_fold_base, tmp_path, point):
     false); validate --fix then `merge` give the uninterrupted result."""
     wh = tmp_path / "wh"
     shutil.copytree(no_fold_base["before"], wh)
-    before = _quiet_snapshot(wh)
+    before = quiet_snapshot(wh)
     proc = run_subprocess(no_fold_base["args"](wh, "2/2", "--no-fold"), fault=f"{point}:1")
     assert proc.returncode == -9, proc.stderr[-2000:]
-    landed = len(_data(wh)) == 2
+    landed = len(data(wh)) == 2
     assert landed == (point != "manifest")
-    assert _quiet_snapshot(wh) == before  # appended or not: the merged tables are as they were
+    assert quiet_snapshot(wh) == before  # appended or not: the merged tables are as they were
     assert (merge.pending_pairs(store.read_manifest(wh)) != []) == landed
     assert run_cli("validate", "--warehouse", wh, "--fix", "--grace", "0")[0] == 0
-    assert _unlisted(wh) == set()
+    assert unlisted(wh) == set()
     if not landed:
         assert run_cli(*no_fold_base["args"](wh, "2/2", "--no-fold"))[0] == 0
     assert run_cli("merge", "--warehouse", wh)[0] == 0
-    _views_close(wh, no_fold_base["after"])
+    views_close(wh, no_fold_base["after"])
     assert validate(wh) == []
 
 
@@ -593,148 +521,9 @@ def test_validate_fix_with_pending_partials_and_a_damaged_merged_table(tmp_path)
     assert validate(root)  # the damage is found
     assert validate(root, fix=True, grace_s=0) == []
     manifest = store.read_manifest(root)
-    assert {e["key"] for e in _data(root)} == {e["key"] for e in entries}  # nothing of the partials destroyed
+    assert {e["key"] for e in data(root)} == {e["key"] for e in entries}  # nothing of the partials destroyed
     assert all((root / f).exists() for e in entries for f in e["files"].values())
-    _invariants(root)
+    invariants(root)
     merge.fold_pending(root)
     check_against(root, oracle(root, entries))
     assert validate(root) == []
-
-
-# ---------------------------------------------------------------- (5) the verified-files cache
-
-
-def _forget_this_process(monkeypatch):
-    from warehouse.store import verified
-
-    monkeypatch.setattr(verified, "_WRITTEN", {})
-    monkeypatch.setattr(verified, "_WRITTEN_KEY", {})
-    monkeypatch.setattr(verified, "_VERIFIED", {})
-
-
-def _flip_in_place(path: Path) -> None:
-    """Change one byte in the middle of the file, same size, same inode (a bit flip on disk)."""
-    time.sleep(0.02)  # (past the file system's timestamp granularity)
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x55]))
-
-
-@pytest.mark.parametrize("cached_by", ["this process", "connect"])
-def test_a_partial_changed_after_it_was_cached_is_caught_by_the_fold(tmp_path, monkeypatch, cached_by):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    root = tmp_path / "wh"
-    rng = np.random.default_rng(13)
-    a, b = _partial(root, rng, "s0", "1-of-2"), _partial(root, rng, "s0", "2-of-2")
-    merge.commit(root, [a])
-    merge.commit(root, [b], fold=False)
-    if cached_by == "connect":
-        _forget_this_process(monkeypatch)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", PendingPartials)
-            connect(root).close()
-        cache = store.read_verified_cache(open_storage(root))[0]
-        assert str((root / b["files"]["token_sums"]).resolve()) in cache
-    _flip_in_place(root / b["files"]["token_sums"])
-    with pytest.raises(UserError):
-        merge.fold_pending(root)
-    assert merge.pending(store.read_manifest(root))  # nothing folded from damaged bytes
-
-
-def test_a_torn_last_line_in_the_cache_costs_only_that_line(tmp_path, monkeypatch):
-    # Was a bug (fixed): store.append_verified (warehouse/store/) appends after a torn last line (a writer killed
-    # mid-line) without starting a new line, so the next commit's first line is glued to the torn one
-    # and unreadable too: that commit's first file is hashed again by every later fold/connect until
-    # connect rewrites the cache.  Safe (never trusts a wrong file), but the torn line costs the next
-    # writer's line as well.  Expected: every file of the commit after the torn line is in the cache.
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    root = tmp_path / "wh"
-    rng = np.random.default_rng(14)
-    a = _partial(root, rng, "s0", "1-of-2")
-    merge.commit(root, [a], fold=False)
-    st = open_storage(root)
-    path = store.verified_cache_file(st)
-    with open(path, "ab") as f:
-        f.write(b'["' + str(root).encode() + b'/tables/token_sums/x.parquet", [12, 3')  # torn, no newline
-    cache, _ = store.read_verified_cache(st)
-    assert len(cache) == 2  # a's two files; the torn line skipped
-    b = _partial(root, rng, "s0", "2-of-2")
-    merge.commit(root, [b], fold=False)
-    cache, _ = store.read_verified_cache(st)
-    want = {str((root / f).resolve()) for e in (a, b) for f in e["files"].values()}
-    assert want <= set(cache), sorted(want - set(cache))
-    _forget_this_process(monkeypatch)
-    merge.fold_pending(root)
-    check_against(root, oracle(root, [a, b]))
-
-
-def test_a_cache_line_naming_another_checksum_is_not_trusted(tmp_path, monkeypatch):
-    """A cache line for the right file version but recorded with another checksum (the record was
-    replaced: a re-run at the same path cannot happen, but a hand-made line can) is not trusted."""
-    from warehouse.storage import checksums
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    root = tmp_path / "wh"
-    rng = np.random.default_rng(15)
-    a, b = _partial(root, rng, "s0", "1-of-2"), _partial(root, rng, "s0", "2-of-2")
-    merge.commit(root, [a], fold=False)
-    merge.commit(root, [b], fold=False)
-    st = open_storage(root)
-    _forget_this_process(monkeypatch)
-    path = str((root / b["files"]["token_sums"]).resolve())
-    key = store.file_key(path, {"blake2b": "0" * 32, "size": 1})
-    store.append_verified(st, {path: key})
-    hashed = []
-    real = checksums.checksum
-    monkeypatch.setattr(checksums, "checksum", lambda s, rel: hashed.append(rel) or real(s, rel))
-    merge.fold_pending(root)
-    assert b["files"]["token_sums"] in hashed
-    check_against(root, oracle(root, [a, b]))
-
-
-# ---------------------------------------------------------------- (6) real extracts, every merged table
-
-
-def test_no_fold_rerun_while_pending_and_while_held_equals_folding_extracts(tmp_path, sources, model_factory):
-    """The user's path: shards 1/2 and 2/2 appended (`extract --no-fold`) with moments, cross moments,
-    samples, sequences (massive rows too); `sql` says they are pending in one `note:` line; shard 1/2
-    re-run while pending; `cli.py merge`; shard 2/2 re-run appended while held (un-folded in that
-    record); every view and every merged table equals two folding extracts (the runs are deterministic)."""
-    model = model_factory("gpt_neox", tied=False)
-
-    def extract(wh, shard, *extra):
-        code, _, err = run_cli("extract", "--model", model, "--source", f"alpha={sources['alpha']}",
-                               "--source", f"beta={sources['beta']}", "--warehouse", wh, "--max-length", 32,
-                               "--shard", shard, "--moments", "--cross-moments", "--sample", 40, "--sequences", *extra)
-        assert code == 0, err
-
-    a, b = tmp_path / "a", tmp_path / "b"
-    for shard in ("1/2", "2/2"):
-        extract(a, shard, "--no-fold")
-        extract(b, shard)
-    code, out, err = run_cli("sql", "SELECT count(*) FROM runs WHERE NOT folded", "--warehouse", a, "--format", "csv")
-    assert code == 0 and out.splitlines()[1] == "4", (out, err)  # the user is told, in one line
-    assert "note: 4 committed partial(s)" in err and "cli.py merge" in err and len(err.splitlines()) == 1
-    extract(a, "1/2", "--no-fold")  # pending: just replaced
-    _invariants(a)
-    code, _, err = run_cli("merge", "--warehouse", a)
-    assert code == 0 and "folded 4 pending partial(s)" in err, err
-    assert "note:" not in run_cli("sql", "SELECT 1", "--warehouse", a)[2]
-    extract(a, "2/2", "--no-fold")  # held: un-folded and folded again in this record
-    manifest = store.read_manifest(a)
-    assert merge.pending(manifest) == {}
-    _invariants(a)
-    _views_close(a, b)
-    ca, cb = connect(a), connect(b)
-    for table in ("moments_merged", "samples_merged", "sequence_moments_merged", "massive_merged", "spectrum",
-                  "layer_totals"):
-        qa, qb = (c.execute(f"SELECT * FROM {table}").to_arrow_table() for c in (ca, cb))
-        qa, qb = (t.drop_columns([c for c in t.column_names if c in ("run_id", "finished_at")]) for t in (qa, qb))
-        assert qa.num_rows == qb.num_rows > 0, table
-        why = merge.compare_tables(qa, qb, table)
-        assert why is None, (table, why)
-    ca.close()
-    cb.close()
-    assert validate(a) == []
