@@ -211,3 +211,17 @@ def cka_procrustes(X: np.ndarray, Y: np.ndarray) -> tuple[float, float]:
     cka = np.linalg.norm(Xc.T @ Yc) ** 2 / (np.linalg.norm(Xc.T @ Xc) * np.linalg.norm(Yc.T @ Yc))
     nuclear = np.linalg.svd(Xc.T @ Yc, compute_uv=False).sum()
     return float(cka), float(nuclear / (np.linalg.norm(Xc) * np.linalg.norm(Yc)))
+
+
+def alpha_req_numpy(eigenvalues: np.ndarray, n: int = 10**9) -> float | None:
+    """αReQ by its definition: the weighted (1/k) least-squares line through (log k, log λ_k),
+    k = 12 … min(100, d − 10, n − 1), λ_k > 0 (eigenvalues descending, of n vectors); None below
+    10 ranks."""
+    d = len(eigenvalues)
+    k = np.arange(1, d + 1)
+    keep = (k >= 12) & (k <= min(100, d - 10, n - 1)) & (eigenvalues > 1e-12 * eigenvalues.max())
+    if keep.sum() < 10:
+        return None
+    x, y, w = np.log(k[keep]), np.log(eigenvalues[keep]), np.sqrt(1.0 / k[keep])
+    slope, _ = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1) * w[:, None], y * w, rcond=None)[0]
+    return -slope

@@ -1,5 +1,6 @@
 """The peers' isotropy measures from the same single pass, each against its authors' package
-(llm-microscope, IsoScore, scikit-dimension) on the very same vectors, plus synthetic known answers."""
+(llm-microscope, IsoScore, scikit-dimension) on the very same vectors (synthetic known answers:
+test_known_answers.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import torch
 
 import reference as ref
 from conftest import run_cli
-from warehouse.measures import covariance, cross_covariance, linearity_from_cov
-from warehouse.query import connect, isoscore_star, load_metrics
+from warehouse.query import connect, isoscore_star
 
 MAXLEN = 32
 
@@ -105,58 +105,17 @@ def test_pca_spectrum_effective_rank_and_outlier_dims_equal_numpy(peers):
             np.testing.assert_allclose(got_share, share, rtol=1e-6)
 
 
-def alpha_req_numpy(eigenvalues: np.ndarray, n: int = 10**9) -> float | None:
-    """αReQ by its definition: the weighted (1/k) least-squares line through (log k, log λ_k),
-    k = 12 … min(100, d − 10, n − 1), λ_k > 0 (eigenvalues descending, of n vectors); None below
-    10 ranks."""
-    d = len(eigenvalues)
-    k = np.arange(1, d + 1)
-    keep = (k >= 12) & (k <= min(100, d - 10, n - 1)) & (eigenvalues > 1e-12 * eigenvalues.max())
-    if keep.sum() < 10:
-        return None
-    x, y, w = np.log(k[keep]), np.log(eigenvalues[keep]), np.sqrt(1.0 / k[keep])
-    slope, _ = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1) * w[:, None], y * w, rcond=None)[0]
-    return -slope
-
-
 def test_alpha_req_and_outlier_kurtosis_equal_numpy(peers):
     """alpha_req and outlier_kurtosis against numpy on the hidden states captured by hooks (two
     sources, alpha in 2 shards, and 'all')."""
     alpha, kurt = view(peers, "alpha_req", "alpha_req"), view(peers, "outlier_kurtosis", "kurtosis")
     for source in SOURCES:
         for layer, (_, X) in peers["states"][source].items():
-            want = alpha_req_numpy(np.sort(np.linalg.eigvalsh(np.cov(X.T)))[::-1], len(X))
+            want = ref.alpha_req_numpy(np.sort(np.linalg.eigvalsh(np.cov(X.T)))[::-1], len(X))
             assert want is not None  # d = 32: ranks 12 … 22
             assert alpha[(source, layer)] == pytest.approx(want, rel=1e-6), (source, layer)
             s = (X * X).mean(0)  # raw second moment per dimension
             assert kurt[(source, layer)] == pytest.approx((s * s).mean() / s.mean() ** 2, rel=1e-6), (source, layer)
-
-
-def test_alpha_req_known_answers_and_null():
-    """λ_k = 3·k^(−1.3) exactly: α = 1.3; ranks beyond the fit window and λ ≤ 0 outside it are
-    ignored; fewer than 10 ranks in range (d = 30: k = 12 … 20) or λ ≤ 0 inside it: NULL."""
-    import duckdb
-
-    def fit(eigs):
-        con = duckdb.connect()
-        con.execute("CREATE TABLE spectrum (model VARCHAR, checkpoint VARCHAR, step BIGINT, source VARCHAR, "
-                    "layer SMALLINT, n BIGINT, k INTEGER, eigenvalue DOUBLE)")
-        con.executemany("INSERT INTO spectrum VALUES ('m', 'c', NULL, 'all', 0, 1000, ?, ?)",
-                        [[k, float(v)] for k, v in enumerate(eigs, 1)])
-        body = next(m.body for m in load_metrics() if m.name == "alpha_req")
-        return con.execute(f"SELECT alpha_req FROM ({body})").fetchall()[0][0]
-
-    k = np.arange(1, 257, dtype=float)
-    lam = 3 * k ** -1.3
-    assert fit(lam) == pytest.approx(1.3, rel=1e-12)
-    noisy = lam * np.exp(np.random.default_rng(0).normal(0, 0.1, len(k)))
-    assert fit(np.sort(noisy)[::-1]) == pytest.approx(alpha_req_numpy(np.sort(noisy)[::-1]), rel=1e-9)
-    assert fit(np.r_[lam[:-1], 0.0]) == pytest.approx(1.3, rel=1e-12)  # k = 256 is outside the window
-    assert fit(lam[:30]) is None and alpha_req_numpy(lam[:30]) is None  # 9 ranks
-    assert fit(lam[:31]) == pytest.approx(1.3, rel=1e-12)  # 10 ranks
-    assert fit(np.r_[lam[:12], np.zeros(19)]) is None  # rank-deficient: no λ > 0 in the window
-    assert fit(np.r_[lam[:20], 1e-17 * lam[20:60]]) is None  # rank 20, then float64 noise: ranks 12 … 20 only
-    assert fit(np.r_[lam[:40], 1e-17 * lam[40:60]]) == pytest.approx(1.3, rel=1e-12)  # ranks 12 … 40
 
 
 def test_weight_spectrum_equals_numpy_svd(peers, model_factory):
@@ -195,7 +154,7 @@ def window_reference(X: np.ndarray, win: np.ndarray) -> dict:
     out = {}
     for pooling, Z in (("mean", means), ("last", lasts)):
         lam = np.sort(np.linalg.eigvalsh(np.cov(Z.T)))[::-1]
-        out[pooling] = (len(Z), entropy(lam, 2) * np.log(2), lam.max() / lam.sum(), alpha_req_numpy(lam, len(Z)))
+        out[pooling] = (len(Z), entropy(lam, 2) * np.log(2), lam.max() / lam.sum(), ref.alpha_req_numpy(lam, len(Z)))
     hat = means / np.linalg.norm(means, axis=1, keepdims=True)
     out["dataset_entropy"] = entropy(np.linalg.eigvalsh(hat.T @ hat / len(hat)), min(len(hat), d))
     curv = []
@@ -362,56 +321,6 @@ def test_window_measures_are_null_where_not_measured(workdir, sources, model_fac
     con.close()
     con = connect(wh)
     assert count("prompt_entropy", "gamma") > 0 and count("curvature", "gamma") > 0
-
-
-def _views_over(spectrum_rows):
-    """The SQL views anisotropy, effective_rank and isoscore over a synthetic spectrum table."""
-    import duckdb
-
-    con = duckdb.connect()
-    con.execute("CREATE TABLE spectrum (model VARCHAR, checkpoint VARCHAR, step BIGINT, source VARCHAR, "
-                "layer SMALLINT, n BIGINT, k INTEGER, eigenvalue DOUBLE)")
-    con.executemany("INSERT INTO spectrum VALUES ('m', 'c', NULL, 'all', 0, 1000, ?, ?)",
-                    [[k, v] for k, v in enumerate(spectrum_rows, 1)])
-    for m in load_metrics():
-        if m.name in ("anisotropy", "effective_rank", "isoscore"):
-            con.execute(f"CREATE VIEW {m.name} AS {m.body}")
-    return {v: con.execute(f"SELECT {v} FROM {v}").fetchall()[0][0] for v in ("anisotropy", "effective_rank", "isoscore")}
-
-
-def test_known_answers_isotropic_and_rank_k():
-    d = 16
-    iso = _views_over([2.0] * d)
-    assert iso["anisotropy"] == pytest.approx(1 / d) and iso["effective_rank"] == pytest.approx(d)
-    assert iso["isoscore"] == pytest.approx(1.0)
-    k = 4
-    low = _views_over([3.0] * k + [0.0] * (d - k))
-    assert low["anisotropy"] == pytest.approx(1 / k) and low["effective_rank"] == pytest.approx(k)
-    from IsoScore import IsoScore
-
-    rng = np.random.default_rng(0)
-    X = rng.normal(size=(5000, k)) @ np.linalg.qr(rng.normal(size=(d, d)))[0][:k]  # a rank-4 subspace of R^16
-    spectrum = np.sort(np.linalg.eigvalsh(np.cov(X.T)))[::-1]
-    # (IsoScore takes sqrt(d) of an int64 tensor, i.e. in float32: agreement to ~1e-7)
-    assert _views_over(list(spectrum))["isoscore"] == pytest.approx(float(IsoScore.IsoScore(X)), rel=1e-6)
-    assert float(IsoScore.IsoScore(X)) < 0.25  # 4 of 16 dimensions used
-    # an isotropic Gaussian sample: close to isotropic by every measure
-    G = rng.normal(size=(20000, d))
-    g = _views_over(list(np.sort(np.linalg.eigvalsh(np.cov(G.T)))[::-1]))
-    assert g["isoscore"] > 0.99 and g["anisotropy"] < 1.2 / d and g["effective_rank"] > 0.99 * d
-
-
-def test_known_answer_exactly_linear_layer_pair():
-    rng = np.random.default_rng(1)
-    X = rng.normal(size=(500, 8)) + 3.0
-    Y = X @ rng.normal(size=(8, 8)) + 1.5  # affine: linear after centring
-    n = len(X)
-    cxx, cyy = covariance(n, X.sum(0), X.T @ X), covariance(n, Y.sum(0), Y.T @ Y)
-    cxy = cross_covariance(n, X.sum(0), Y.sum(0), X.T @ Y)
-    assert linearity_from_cov(cxx, cyy, cxy) == pytest.approx(1.0, abs=1e-10)
-    Z = rng.normal(size=(500, 8))  # unrelated: ~ d/n
-    czz, cxz = covariance(n, Z.sum(0), Z.T @ Z), cross_covariance(n, X.sum(0), Z.sum(0), X.T @ Z)
-    assert linearity_from_cov(cxx, czz, cxz) < 0.05
 
 
 # ---------------------------------------------------------------- measures no peer offers
