@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from test_merge import _snapshot
+from test_merge import rounded_views
 from warehouse import merge, store
 from warehouse.query import PendingPartials, connect
 
@@ -19,7 +19,7 @@ from warehouse.query import PendingPartials, connect
 def quiet_snapshot(root: Path) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PendingPartials)
-        return _snapshot(root)
+        return rounded_views(root)
 
 
 def data(root: Path) -> list[dict]:

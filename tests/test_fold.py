@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import call_all, run_cli
-from test_merge import _partial, _snapshot, check_against, oracle
+from test_merge import check_against, oracle, random_partial, rounded_views
 from test_reliability import run_subprocess
 from warehouse import merge, store
 from warehouse.merge import commits, fold_tokens
@@ -22,7 +22,7 @@ from warehouse.validate import validate
 
 def _layout(root: Path, seed: int, sources: int = 2, shards: int = 3) -> list[dict]:
     rng = np.random.default_rng(seed)
-    return [_partial(root, rng, f"s{s}", f"{k + 1}-of-{shards}") for s in range(sources) for k in range(shards)]
+    return [random_partial(root, rng, f"s{s}", f"{k + 1}-of-{shards}") for s in range(sources) for k in range(shards)]
 
 
 def _runs(root: Path) -> list[tuple]:
@@ -64,7 +64,7 @@ def test_appended_partials_are_pending_then_one_fold_equals_folding_each(tmp_pat
     assert store.read_manifest(a)["generation"] == 7  # six appends, one fold
     with warnings.catch_warnings():
         warnings.simplefilter("error", PendingPartials)
-        assert _snapshot(a) == _snapshot(b)
+        assert rounded_views(a) == rounded_views(b)
     check_against(a, oracle(a, ea))
     assert validate(a) == []
     assert merge.fold_pending(a) == 0
@@ -114,19 +114,19 @@ def test_rerun_of_a_pending_partial_needs_no_unfold_of_a_folded_one_does(tmp_pat
     in the same record, even with fold=False (its files leave the manifest)."""
     root = tmp_path / "wh"
     rng = np.random.default_rng(21)
-    a = _partial(root, rng, "s0", "1-of-2")
+    a = random_partial(root, rng, "s0", "1-of-2")
     merge.commit(root, [a], fold=False)
-    a2 = _partial(root, rng, "s0", "1-of-2")  # pending a replaced by a2: nothing to un-fold
+    a2 = random_partial(root, rng, "s0", "1-of-2")  # pending a replaced by a2: nothing to un-fold
     merge.commit(root, [a2], fold=False)
     assert not any(e["kind"] == "merged" for e in store.read_manifest(root)["entries"].values())
-    b = _partial(root, rng, "s0", "2-of-2")
+    b = random_partial(root, rng, "s0", "2-of-2")
     merge.commit(root, [b])  # folds a2 and b
-    b2 = _partial(root, rng, "s0", "2-of-2")
+    b2 = random_partial(root, rng, "s0", "2-of-2")
     merge.commit(root, [b2], fold=False)  # b is held: un-folded now, b2 folded in the same record
     manifest = store.read_manifest(root)
     assert merge.pending(manifest) == {}
     check_against(root, oracle(root, [a2, b2]))
-    covering = _partial(root, rng, "s0", "1-of-1")  # covers both shards, appended
+    covering = random_partial(root, rng, "s0", "1-of-1")  # covers both shards, appended
     merge.commit(root, [covering], fold=False)
     check_against(root, oracle(root, [covering]))
     assert validate(root) == []
@@ -166,7 +166,7 @@ def test_a_fold_that_lost_the_race_to_another_fold_is_not_redone(tmp_path, monke
     raced.clear()
     folds.clear()
     merge.commit(root, [entries[2]], fold=False)
-    e4 = _partial(root, np.random.default_rng(1), "s0", "1-of-1", checkpoint="c2")
+    e4 = random_partial(root, np.random.default_rng(1), "s0", "1-of-1", checkpoint="c2")
 
     def publish2(root_, seq, manifest, new, remove=()):
         if not raced:
@@ -186,7 +186,7 @@ def test_a_fold_that_lost_the_race_to_another_fold_is_not_redone(tmp_path, monke
 
 def _append_one(args):
     root, source, shard, seed = args
-    entry = _partial(Path(root), np.random.default_rng(seed), source, shard)
+    entry = random_partial(Path(root), np.random.default_rng(seed), source, shard)
     merge.commit(Path(root), [entry], fold=False)
     return entry
 
@@ -199,7 +199,7 @@ def test_racing_appends_and_folds_never_double_count(tmp_path):
     """Six processes append six partials while two others fold, all at once; a last fold; every
     partial is counted exactly once."""
     root = tmp_path / "wh"
-    merge.commit(root, [_partial(root, np.random.default_rng(99), "s0", "1-of-3")])
+    merge.commit(root, [random_partial(root, np.random.default_rng(99), "s0", "1-of-3")])
     first = store.read_manifest(root)["entries"]
     jobs = [(str(root), f"s{i % 2 + 1}", f"{i // 2 + 1}-of-3", 200 + i) for i in range(6)]
     # four processes at a time: the two folds first, then the appends
@@ -223,12 +223,12 @@ def test_kill_9_during_a_fold_leaves_nothing_half_visible(tmp_path, point):
         merge.commit(root, [e], fold=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PendingPartials)
-        before = _snapshot(root)
+        before = rounded_views(root)
     proc = run_subprocess(["merge", "--warehouse", str(root)], fault=f"{point}:1")
     assert proc.returncode == -9, proc.stderr[-2000:]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PendingPartials)
-        now = _snapshot(root)
+        now = rounded_views(root)
     landed = merge.pending(store.read_manifest(root)) == {}
     assert landed == (point == "views")
     if not landed:

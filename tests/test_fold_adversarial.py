@@ -22,7 +22,7 @@ from conftest import call_all, run_cli
 from fold_checks import (data, drop_files, forget_this_process, invariants, one_shot_fold, quiet_snapshot,
                          unlisted, views_close)
 from common.errors import UserError
-from test_merge import _partial, check_against, oracle
+from test_merge import check_against, oracle, random_partial
 from test_reliability import run_subprocess
 from warehouse import merge, store
 from warehouse.validate import validate
@@ -54,7 +54,7 @@ def test_random_sequences_equal_a_clean_one_shot_fold(ops):
             if op[0] == "fold":
                 merge.fold_pending(root)
             elif op[0] == "both":
-                es = [_partial(root, rng, source, op[1]) for source in ("s0", "s1")]
+                es = [random_partial(root, rng, source, op[1]) for source in ("s0", "s1")]
                 try:
                     merge.commit(root, es, fold=op[2])
                 except UserError as err:
@@ -68,7 +68,7 @@ def test_random_sequences_equal_a_clean_one_shot_fold(ops):
                     (_, source, fold), shard, replace = op, "1-of-1", False
                 else:
                     (_, source, fold), shard, replace = op, "1-of-3", True
-                e = _partial(root, rng, source, shard)
+                e = random_partial(root, rng, source, shard)
                 try:
                     merge.commit(root, [e], fold=fold, replace=replace)
                 except UserError as err:  # a shard of 2 beside 1/1 or 1/3 without --replace
@@ -94,18 +94,18 @@ def test_covering_shard_after_folded_and_pending_halves_then_replace_back(tmp_pa
     --replace appended, across two sources (the other source folded and pending too)."""
     root = tmp_path / "wh"
     rng = np.random.default_rng(3)
-    a1, a2 = _partial(root, rng, "s0", "1-of-2"), _partial(root, rng, "s0", "2-of-2")
-    b1, b2 = _partial(root, rng, "s1", "1-of-2"), _partial(root, rng, "s1", "2-of-2")
+    a1, a2 = random_partial(root, rng, "s0", "1-of-2"), random_partial(root, rng, "s0", "2-of-2")
+    b1, b2 = random_partial(root, rng, "s1", "1-of-2"), random_partial(root, rng, "s1", "2-of-2")
     merge.commit(root, [a1])
     merge.commit(root, [b1])
     merge.commit(root, [a2], fold=False)
     merge.commit(root, [b2], fold=False)
     invariants(root)
-    cover = _partial(root, rng, "s0", "1-of-1")
+    cover = random_partial(root, rng, "s0", "1-of-1")
     merge.commit(root, [cover], fold=False)  # a1 held: un-folded; a2 pending: dropped
     invariants(root)
     assert {e["key"] for e in data(root)} == {cover["key"], b1["key"], b2["key"]}
-    again = _partial(root, rng, "s0", "1-of-2")
+    again = random_partial(root, rng, "s0", "1-of-2")
     merge.commit(root, [again], fold=False, replace=True)  # conflicts with 1/1, which s0 holds since: un-folded
     invariants(root)
     merge.fold_pending(root)
@@ -121,7 +121,7 @@ def test_one_commit_of_two_overlapping_shards_of_a_source_is_refused(tmp_path):
     # documents of shard 1/2 are counted twice in s0 and 'all'.  Expected: the one-line conflict error.
     root = tmp_path / "wh"
     rng = np.random.default_rng(19)
-    whole, half = _partial(root, rng, "s0", "1-of-1"), _partial(root, rng, "s0", "1-of-2")
+    whole, half = random_partial(root, rng, "s0", "1-of-1"), random_partial(root, rng, "s0", "1-of-2")
     with pytest.raises(UserError, match="shares documents"):
         merge.commit(root, [whole, half], fold=False)
 
@@ -154,7 +154,7 @@ def test_a_folding_commit_that_lost_to_compact_leaves_no_files_behind(tmp_path, 
     # lives).  Expected: the UserError, and no unlisted file except the new partial's own.
     root = tmp_path / "wh"
     rng = np.random.default_rng(5)
-    a, b = _partial(root, rng, "s0", "1-of-2"), _partial(root, rng, "s0", "2-of-2")
+    a, b = random_partial(root, rng, "s0", "1-of-2"), random_partial(root, rng, "s0", "2-of-2")
     merge.commit(root, [a])
     raced = _race(monkeypatch, lambda: merge.compact(root))
     with pytest.raises(UserError, match="compacted"):
@@ -168,10 +168,10 @@ def test_an_appending_rerun_that_lost_to_a_fold_of_its_partial_unfolds_it(tmp_pa
     old partial: the retry must un-fold it (held now), not just drop it."""
     root = tmp_path / "wh"
     rng = np.random.default_rng(6)
-    a, b = _partial(root, rng, "s0", "1-of-2"), _partial(root, rng, "s1", "1-of-1")
+    a, b = random_partial(root, rng, "s0", "1-of-2"), random_partial(root, rng, "s1", "1-of-1")
     merge.commit(root, [b])
     merge.commit(root, [a], fold=False)
-    a2 = _partial(root, rng, "s0", "1-of-2")
+    a2 = random_partial(root, rng, "s0", "1-of-2")
     raced = _race(monkeypatch, lambda: merge.fold_pending(root))
     merge.commit(root, [a2], fold=False)
     assert raced
@@ -186,10 +186,10 @@ def test_a_fold_that_lost_to_a_rerun_of_its_pending_partial_folds_the_rerun(tmp_
     publish a merged entry holding the old `a`, and the views end up exact for what is held."""
     root = tmp_path / "wh"
     rng = np.random.default_rng(7)
-    a, c = _partial(root, rng, "s0", "1-of-2"), _partial(root, rng, "s0", "2-of-2")
+    a, c = random_partial(root, rng, "s0", "1-of-2"), random_partial(root, rng, "s0", "2-of-2")
     merge.commit(root, [a], fold=False)
     merge.commit(root, [c], fold=False)
-    a2 = _partial(root, rng, "s0", "1-of-2")
+    a2 = random_partial(root, rng, "s0", "1-of-2")
     raced = _race(monkeypatch, lambda: merge.commit(root, [a2], fold=False))
     merge.fold_pending(root)
     assert raced
@@ -207,9 +207,9 @@ def test_a_merge_whose_only_pending_partial_was_rerun_meanwhile_folds_the_rerun(
     # the merge was asked to fold that shard's data; got: pending_pairs == [("m", "c")].
     root = tmp_path / "wh"
     rng = np.random.default_rng(16)
-    a = _partial(root, rng, "s0", "1-of-1")
+    a = random_partial(root, rng, "s0", "1-of-1")
     merge.commit(root, [a], fold=False)
-    a2 = _partial(root, rng, "s0", "1-of-1")
+    a2 = random_partial(root, rng, "s0", "1-of-1")
     raced = _race(monkeypatch, lambda: merge.commit(root, [a2], fold=False))
     n = merge.fold_pending(root)
     assert raced
@@ -229,7 +229,7 @@ def test_committing_the_same_partial_again_keeps_it_counted_once(tmp_path, fold)
     # token_stats without e's rows/counts, silently, with inputs claiming e (validate finds it later).
     root = tmp_path / "wh"
     rng = np.random.default_rng(17)
-    a, b = _partial(root, rng, "s0", "1-of-2"), _partial(root, rng, "s0", "2-of-2")
+    a, b = random_partial(root, rng, "s0", "1-of-2"), random_partial(root, rng, "s0", "2-of-2")
     merge.commit(root, [a])
     merge.commit(root, [b])
     merge.commit(root, [dict(a)], fold=fold)
@@ -256,8 +256,8 @@ def test_a_fold_whose_old_state_another_writer_replaced_meanwhile_retries(tmp_pa
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     root = tmp_path / "wh"
     rng = np.random.default_rng(20)
-    a, b, c = (_partial(root, rng, "s0", f"{i}-of-3") for i in (1, 2, 3))
-    d = _partial(root, rng, "s1", "1-of-1")
+    a, b, c = (random_partial(root, rng, "s0", f"{i}-of-3") for i in (1, 2, 3))
+    d = random_partial(root, rng, "s1", "1-of-1")
     merge.commit(root, [a])
     merge.commit(root, [b])
     merge.commit(root, [c], fold=False)
@@ -299,9 +299,9 @@ def test_a_folding_commit_that_lost_to_an_appending_cover_refolds(tmp_path, monk
     of s0 drops that shard: the fold must be redone without it."""
     root = tmp_path / "wh"
     rng = np.random.default_rng(8)
-    a, b = _partial(root, rng, "s0", "1-of-2"), _partial(root, rng, "s1", "1-of-1")
+    a, b = random_partial(root, rng, "s0", "1-of-2"), random_partial(root, rng, "s1", "1-of-1")
     merge.commit(root, [a], fold=False)
-    cover = _partial(root, rng, "s0", "1-of-1")
+    cover = random_partial(root, rng, "s0", "1-of-1")
     raced = _race(monkeypatch, lambda: merge.commit(root, [cover], fold=False))
     merge.commit(root, [b])
     assert raced
@@ -315,10 +315,10 @@ def test_compact_that_lost_to_an_appending_commit_folds_it_then_compacts(tmp_pat
     nothing pending), then compacts; the views equal the one-shot fold of all three."""
     root = tmp_path / "wh"
     rng = np.random.default_rng(18)
-    a, b = _partial(root, rng, "s0", "1-of-3"), _partial(root, rng, "s1", "1-of-1")
+    a, b = random_partial(root, rng, "s0", "1-of-3"), random_partial(root, rng, "s1", "1-of-1")
     merge.commit(root, [a], fold=False)
     merge.commit(root, [b], fold=False)
-    c = _partial(root, rng, "s0", "2-of-3")
+    c = random_partial(root, rng, "s0", "2-of-3")
     want = oracle(root, [a, b, c])  # (before compact drops the token_sums)
     calls = []
     real = store.publish
@@ -349,8 +349,8 @@ def test_merge_and_compact_of_one_checkpoint_ignore_a_stale_group_of_another(tmp
     # c2 left to `validate --fix`.  Got: UserError naming merged/…c2….
     root = tmp_path / "wh"
     rng = np.random.default_rng(9)
-    c = [_partial(root, rng, "s0", f"{i}-of-2") for i in (1, 2)]
-    c2 = [_partial(root, rng, "s0", f"{i}-of-2", checkpoint="c2") for i in (1, 2)]
+    c = [random_partial(root, rng, "s0", f"{i}-of-2") for i in (1, 2)]
+    c2 = [random_partial(root, rng, "s0", f"{i}-of-2", checkpoint="c2") for i in (1, 2)]
     merge.commit(root, c2)
     for e in c:
         merge.commit(root, [e], fold=False)
@@ -383,7 +383,7 @@ def _worker(args):
         source, shard, fold = {"a0": ("s0", "2-of-3", False), "a1": ("s1", "2-of-3", True),
                                "a2": ("s1", "3-of-3", False), "a3": ("s0", "3-of-3", True),
                                "r0": ("s0", "1-of-3", False)}[op]
-        e = _partial(root, rng, source, shard)
+        e = random_partial(root, rng, source, shard)
         merge.commit(root, [e], fold=fold)
         return ("commit", e)
     except UserError as err:
@@ -400,9 +400,9 @@ def test_racing_folds_appends_folding_commits_and_compact_of_another_checkpoint(
     its views intact, nothing left unlisted."""
     root = tmp_path / "wh"
     rng = np.random.default_rng(10)
-    first = [_partial(root, rng, s, "1-of-3") for s in ("s0", "s1")]
+    first = [random_partial(root, rng, s, "1-of-3") for s in ("s0", "s1")]
     merge.commit(root, first)
-    c2 = [_partial(root, rng, "s0", f"{i}-of-2", checkpoint="c2") for i in (1, 2)]
+    c2 = [random_partial(root, rng, "s0", f"{i}-of-2", checkpoint="c2") for i in (1, 2)]
     merge.commit(root, [c2[0]])
     merge.commit(root, [c2[1]], fold=False)
     jobs = [(op, str(root), 300 + i) for i, op in enumerate(["a0", "fold", "a1", "compact", "a2", "fold", "a3", "r0"])]
@@ -429,7 +429,7 @@ def test_kill_9_in_merge_at_more_points(tmp_path, point):
     after the kill un-folds correctly."""
     root = tmp_path / "wh"
     rng = np.random.default_rng(11)
-    entries = [_partial(root, rng, s, f"{i}-of-2") for s in ("s0", "s1") for i in (1, 2)]
+    entries = [random_partial(root, rng, s, f"{i}-of-2") for s in ("s0", "s1") for i in (1, 2)]
     merge.commit(root, entries[:1])
     for e in entries[1:]:
         merge.commit(root, [e], fold=False)
@@ -443,7 +443,7 @@ def test_kill_9_in_merge_at_more_points(tmp_path, point):
     assert run_cli("validate", "--warehouse", root, "--fix", "--grace", "0")[0] == 0
     assert unlisted(root) == set()
     assert run_cli("merge", "--warehouse", root)[0] == 0
-    again = _partial(root, rng, "s1", "1-of-2")
+    again = random_partial(root, rng, "s1", "1-of-2")
     merge.commit(root, [again], fold=False)  # held now: un-folded in this record
     entries[2] = again
     invariants(root)
@@ -504,7 +504,7 @@ def test_validate_fix_with_pending_partials_and_a_damaged_merged_table(tmp_path)
     merged file damaged, --fix rebuilds it without destroying or mis-counting the pending partials."""
     root = tmp_path / "wh"
     rng = np.random.default_rng(12)
-    entries = [_partial(root, rng, s, f"{i}-of-2") for s in ("s0", "s1") for i in (1, 2)]
+    entries = [random_partial(root, rng, s, f"{i}-of-2") for s in ("s0", "s1") for i in (1, 2)]
     merge.commit(root, [entries[0], entries[2]])
     merge.commit(root, [entries[1]], fold=False)
     merge.commit(root, [entries[3]], fold=False)

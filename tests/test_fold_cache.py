@@ -15,7 +15,7 @@ import pytest
 from conftest import run_cli
 from common.errors import UserError
 from fold_checks import forget_this_process, invariants, views_close
-from test_merge import _partial, check_against, oracle
+from test_merge import check_against, oracle, random_partial
 from warehouse import merge, store
 from warehouse.query import PendingPartials, connect
 from warehouse.storage import open_storage
@@ -40,7 +40,7 @@ def test_a_partial_changed_after_it_was_cached_is_caught_by_the_fold(tmp_path, m
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     root = tmp_path / "wh"
     rng = np.random.default_rng(13)
-    a, b = _partial(root, rng, "s0", "1-of-2"), _partial(root, rng, "s0", "2-of-2")
+    a, b = random_partial(root, rng, "s0", "1-of-2"), random_partial(root, rng, "s0", "2-of-2")
     merge.commit(root, [a])
     merge.commit(root, [b], fold=False)
     if cached_by == "connect":
@@ -65,7 +65,7 @@ def test_a_torn_last_line_in_the_cache_costs_only_that_line(tmp_path, monkeypatc
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     root = tmp_path / "wh"
     rng = np.random.default_rng(14)
-    a = _partial(root, rng, "s0", "1-of-2")
+    a = random_partial(root, rng, "s0", "1-of-2")
     merge.commit(root, [a], fold=False)
     st = open_storage(root)
     path = store.verified_cache_file(st)
@@ -73,7 +73,7 @@ def test_a_torn_last_line_in_the_cache_costs_only_that_line(tmp_path, monkeypatc
         f.write(b'["' + str(root).encode() + b'/tables/token_sums/x.parquet", [12, 3')  # torn, no newline
     cache, _ = store.read_verified_cache(st)
     assert len(cache) == 2  # a's two files; the torn line skipped
-    b = _partial(root, rng, "s0", "2-of-2")
+    b = random_partial(root, rng, "s0", "2-of-2")
     merge.commit(root, [b], fold=False)
     cache, _ = store.read_verified_cache(st)
     want = {str((root / f).resolve()) for e in (a, b) for f in e["files"].values()}
@@ -91,7 +91,7 @@ def test_a_cache_line_naming_another_checksum_is_not_trusted(tmp_path, monkeypat
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     root = tmp_path / "wh"
     rng = np.random.default_rng(15)
-    a, b = _partial(root, rng, "s0", "1-of-2"), _partial(root, rng, "s0", "2-of-2")
+    a, b = random_partial(root, rng, "s0", "1-of-2"), random_partial(root, rng, "s0", "2-of-2")
     merge.commit(root, [a], fold=False)
     merge.commit(root, [b], fold=False)
     st = open_storage(root)

@@ -29,7 +29,9 @@ from bench_query import write_partial, write_vocab  # noqa: E402
 V, L, D = 300, 3, 16
 
 
-def _partial(root, rng, source, shard, step=None, checkpoint="c"):
+def random_partial(root, rng, source, shard, step=None, checkpoint="c"):
+    """A partial of model m written into `root` (not committed): a random subset of the V types, so
+    that partials overlap sparsely."""
     types = rng.choice(V, size=int(rng.integers(V // 3, V)), replace=False)  # overlapping sparse subsets
     return write_partial(root, "m", checkpoint, source, shard, L, V, D, rng, types=types, step=step, chunk=37)
 
@@ -119,7 +121,7 @@ def test_merged_equals_pairwise(tmp_path, small_chunks, layout):
     rng = np.random.default_rng(sum(layout))
     root = tmp_path / "wh"
     merge.commit(root, [write_vocab(root, "m", "c", V, D)])
-    entries = [_partial(root, rng, f"s{s}", f"{k + 1}-of-{shards}") for s in range(sources) for k in range(shards)]
+    entries = [random_partial(root, rng, f"s{s}", f"{k + 1}-of-{shards}") for s in range(sources) for k in range(shards)]
     half = max(1, len(entries) // 2)
     for e in entries[:half]:  # one commit each, then the rest in one commit of several partials
         merge.commit(root, [e])
@@ -140,16 +142,16 @@ def test_a_group_of_one_partial_folds_from_that_partial(tmp_path, small_chunks):
     merged Σû exactly (float64 s₁ + s₂) and the pairwise ‖Σû‖²."""
     rng = np.random.default_rng(11)
     root = tmp_path / "wh"
-    first = _partial(root, rng, "s0", "1-of-2")
+    first = random_partial(root, rng, "s0", "1-of-2")
     merge.commit(root, [first])
     merged = [e for e in store.read_manifest(root)["entries"].values() if e["kind"] == "merged"]
     assert len(merged) == 2 and not any("token_vectors" in e["files"] for e in merged)
     assert not list((root / "tables" / "token_vectors").rglob("*.parquet"))
     check_against(root, oracle(root, [first]))
-    first = _partial(root, rng, "s0", "1-of-2")  # a re-run of the same key: replaced, not added
+    first = random_partial(root, rng, "s0", "1-of-2")  # a re-run of the same key: replaced, not added
     merge.commit(root, [first])
     check_against(root, oracle(root, [first]))
-    second = _partial(root, rng, "s0", "2-of-2")
+    second = random_partial(root, rng, "s0", "2-of-2")
     merge.commit(root, [second])
     want = oracle(root, [first, second])
     check_against(root, want)
@@ -168,7 +170,7 @@ def test_a_lone_partials_rows_give_the_same_tables_as_folding_them(tmp_path, sma
     merged tables equal, number for number, those of the fold (forced here by an empty removal)."""
     rng = np.random.default_rng(5)
     root = tmp_path / "wh"
-    e = _partial(root, rng, "s0", "1-of-1")
+    e = random_partial(root, rng, "s0", "1-of-1")
 
     def tables(dest):
         st = merge.open_storage(dest)
@@ -204,12 +206,12 @@ def test_a_lone_partials_rows_give_the_same_tables_as_folding_them(tmp_path, sma
 def test_replacing_a_partial_never_double_counts(tmp_path, small_chunks):
     rng = np.random.default_rng(7)
     root = tmp_path / "wh"
-    entries = [_partial(root, rng, f"s{s}", f"{k + 1}-of-2") for s in range(4) for k in range(2)]
+    entries = [random_partial(root, rng, f"s{s}", f"{k + 1}-of-2") for s in range(4) for k in range(2)]
     for e in entries:
         merge.commit(root, [e])
     for i in (3, 3, 0):  # re-runs of the same keys with other content (the second time: twice in a row)
         e = entries[i]
-        entries[i] = _partial(root, rng, e["source"], e["shard"])
+        entries[i] = random_partial(root, rng, e["source"], e["shard"])
         merge.commit(root, [entries[i]])
     manifest = store.read_manifest(root)
     assert sum(e["kind"] == "data" for e in manifest["entries"].values()) == 8
@@ -220,7 +222,7 @@ def test_replacing_a_partial_never_double_counts(tmp_path, small_chunks):
 def _two_shards(root: Path, seed: int) -> list[dict]:
     """Two shards of one source, committed one after the other."""
     rng = np.random.default_rng(seed)
-    entries = [_partial(root, rng, "s0", f"{k + 1}-of-2") for k in range(2)]
+    entries = [random_partial(root, rng, "s0", f"{k + 1}-of-2") for k in range(2)]
     for e in entries:
         merge.commit(root, [e])
     return entries
@@ -241,7 +243,8 @@ def test_validate_finds_a_wrong_merged_table_and_fixes_it(tmp_path):
     check_against(root, oracle(root, entries))
 
 
-def _snapshot(root: Path) -> dict:
+def rounded_views(root: Path) -> dict:
+    """The rows of the views a merge feeds, sorted, floats rounded to 12 places: equal for equal data."""
     views = ["inter_sim", "inter_sim_by_source", "intra_sim", "avg_intra_sim", "inter_sim_by_frequency",
              "inter_sim_types", "dim_contrib", "drift", "intra_sentence_sim", "anisotropy", "linearity",
              "intrinsic_dim", "isoscore", "qk_sums", "qk_geometry_by_source", "qk_direction", "attention_sink"]
@@ -255,15 +258,15 @@ def _snapshot(root: Path) -> dict:
 def test_compaction_keeps_every_view_and_closes_the_checkpoint(tmp_path):
     rng = np.random.default_rng(11)
     root = tmp_path / "wh"
-    entries = [_partial(root, rng, f"s{s}", f"{k + 1}-of-2") for s in range(2) for k in range(2)]
+    entries = [random_partial(root, rng, f"s{s}", f"{k + 1}-of-2") for s in range(2) for k in range(2)]
     merge.commit(root, [write_vocab(root, "m", "c", V, D)])
     for e in entries:
         merge.commit(root, [e])
-    before = _snapshot(root)
+    before = rounded_views(root)
     want = oracle(root, entries)
     res = merge.compact(root)
     assert res["after"]["bytes"] < res["before"]["bytes"] / 10
-    assert _snapshot(root) == before
+    assert rounded_views(root) == before
     manifest = store.read_manifest(root)
     for e in manifest["entries"].values():
         assert not {"token_sums", "token_vectors", "moments", "samples", "moments_merged", "samples_merged"} & set(e["files"])
@@ -275,10 +278,10 @@ def test_compaction_keeps_every_view_and_closes_the_checkpoint(tmp_path):
         "SELECT layer, token_id, sum_sq FROM token_stats WHERE source = 'all'").fetchall()}
     assert all(close(got[k], sq) for k, (_, sq) in want["all"]["tokens"].items())
     with pytest.raises(UserError, match="was compacted"):  # a new shard: refused, nothing written
-        merge.commit(root, [_partial(root, rng, "s0", "1-of-3")])
+        merge.commit(root, [random_partial(root, rng, "s0", "1-of-3")])
     with pytest.raises(UserError, match="was compacted"):  # a re-run of a compacted partial: refused
-        merge.commit(root, [_partial(root, rng, "s0", "1-of-2")])
-    assert _snapshot(root) == before
+        merge.commit(root, [random_partial(root, rng, "s0", "1-of-2")])
+    assert rounded_views(root) == before
     assert validate(root, fix=True, grace_s=0) == [] and validate(root) == []  # the refused runs' files are orphans
 
 
@@ -305,12 +308,12 @@ def test_incremental_moments_and_samples_equal_a_merge_from_scratch(moments_wh, 
                            "--source", f"alpha={sources['alpha']}", "--shard", "1/2")  # replaces a partial
     assert code == 0, err
     for root in (moments_wh["wh"], wh):
-        incremental = _snapshot(root)
+        incremental = rounded_views(root)
         manifest = store.read_manifest(root)
         keys = [k for k, e in manifest["entries"].items() if e["kind"] == "merged"]
         assert merge.rebuild(root, keys) == len(keys) == 3
-        assert_same(incremental, _snapshot(root))
-    assert_same(_snapshot(wh), _snapshot(moments_wh["wh"]))  # the re-run of the same data changed nothing
+        assert_same(incremental, rounded_views(root))
+    assert_same(rounded_views(wh), rounded_views(moments_wh["wh"]))  # the re-run of the same data changed nothing
 
 
 def assert_same(got: dict, want: dict) -> None:
@@ -325,15 +328,15 @@ def assert_same(got: dict, want: dict) -> None:
 def test_cli_compact_then_a_new_shard_is_refused(moments_wh, workdir, sources):
     wh = workdir / "merge-compact-cli"
     shutil.copytree(moments_wh["wh"], wh)
-    before = _snapshot(wh)
+    before = rounded_views(wh)
     code, out, err = run_cli("compact", "--warehouse", wh)
     assert code == 0, err
     assert "B per (layer, token type)" in out
-    assert _snapshot(wh) == before
+    assert rounded_views(wh) == before
     code, _, err = run_cli("extract", *moments_wh["common"][:2], "--warehouse", wh, "--max-length", 32,
                            "--source", f"gamma={sources['alpha']}")
     assert code == 2 and "was compacted" in err and len(err.strip().splitlines()) == 1, err
-    assert _snapshot(wh) == before
+    assert rounded_views(wh) == before
     assert run_cli("validate", "--warehouse", wh)[0] == 0
 
 
@@ -343,13 +346,13 @@ def test_kill_9_during_compaction(moments_wh, workdir, point, after):
 
     wh = workdir / f"merge-kill-compact-{point}"
     shutil.copytree(moments_wh["wh"], wh)
-    before = _snapshot(wh)
+    before = rounded_views(wh)
     done = workdir / f"merge-kill-compact-{point}-done"
     shutil.copytree(moments_wh["wh"], done)
     assert run_cli("compact", "--warehouse", done)[0] == 0
     proc = run_subprocess(["compact", "--warehouse", str(wh)], fault=f"{point}:1")
     assert proc.returncode == -9, proc.stderr[-2000:]
-    assert _snapshot(wh) == before  # the views answer exactly as before or as after (same numbers)
+    assert rounded_views(wh) == before  # the views answer exactly as before or as after (same numbers)
     compacted = merge.is_compacted(store.read_manifest(wh), "gpt_neox-untied", "main")
     assert compacted == after
     assert run_cli("validate", "--warehouse", wh, "--fix", "--grace", "0")[0] == 0
@@ -365,7 +368,7 @@ def test_kill_9_during_compaction(moments_wh, workdir, point, after):
 def test_two_writers_of_one_record_exactly_one_wins(tmp_path):
     rng = np.random.default_rng(5)
     root = tmp_path / "wh"
-    a, b = _partial(root, rng, "s0", "1-of-1"), _partial(root, rng, "s0", "1-of-1")
+    a, b = random_partial(root, rng, "s0", "1-of-1"), random_partial(root, rng, "s0", "1-of-1")
     seq, manifest = store.read_state(root)
     assert store.publish(root, seq, {**manifest, "entries": dict(manifest["entries"])}, [a]) is not None
     assert store.publish(root, seq, manifest, [b]) is None  # the same record number: refused
@@ -381,10 +384,10 @@ def test_a_lost_race_refolds_or_rebases(tmp_path, monkeypatch, same_pair):
     on top of B's as they are."""
     rng = np.random.default_rng(9)
     root = tmp_path / "wh"
-    first = _partial(root, rng, "s0", "1-of-2")
+    first = random_partial(root, rng, "s0", "1-of-2")
     merge.commit(root, [first])
-    a = _partial(root, rng, "s0", "2-of-2")
-    b = _partial(root, rng, "s1", "1-of-1", checkpoint="c" if same_pair else "c2")
+    a = random_partial(root, rng, "s0", "2-of-2")
+    b = random_partial(root, rng, "s1", "1-of-1", checkpoint="c" if same_pair else "c2")
     real_publish, folds, raced = store.publish, [], []
     real_fold = commits.fold_groups
 
@@ -410,7 +413,7 @@ def test_a_lost_race_refolds_or_rebases(tmp_path, monkeypatch, same_pair):
 def _commit_one(args):
     root, source, shard, seed = args
     rng = np.random.default_rng(seed)
-    entry = _partial(Path(root), rng, source, shard)
+    entry = random_partial(Path(root), rng, source, shard)
     merge.commit(Path(root), [entry])
     return entry
 
@@ -462,9 +465,9 @@ def test_companions_written_out_of_order_are_rewritten(tmp_path):
     """Two writers' companion writes can land in either order; readers rewrite the older ones."""
     rng = np.random.default_rng(17)
     root = tmp_path / "wh"
-    merge.commit(root, [_partial(root, rng, "s0", "1-of-2")])
+    merge.commit(root, [random_partial(root, rng, "s0", "1-of-2")])
     old = {f: (root / f).read_bytes() for f in (store.MANIFEST, store.RUNS_FILE)}
-    merge.commit(root, [_partial(root, rng, "s0", "2-of-2")])
+    merge.commit(root, [random_partial(root, rng, "s0", "2-of-2")])
     con = connect(root)  # writes views.sql of generation 2
     con.close()
     for f, data in old.items():  # the first writer's companions land late
@@ -479,7 +482,7 @@ def test_an_interrupt_after_the_record_keeps_the_commit(tmp_path, monkeypatch):
     """Ctrl-C while the companions are written: the record exists, so its files must stay."""
     rng = np.random.default_rng(19)
     root = tmp_path / "wh"
-    entries = [_partial(root, rng, "s0", "1-of-1")]
+    entries = [random_partial(root, rng, "s0", "1-of-1")]
 
     def interrupt(*_):
         raise KeyboardInterrupt
