@@ -89,7 +89,7 @@ class Source:
         return f"built-in {self.name}" if self.builtin else str(self.path)
 
 
-def _stdlib_files(root: Path, skip: set[str]) -> list[Path]:
+def stdlib_files(root: Path, skip: set[str]) -> list[Path]:
     """The .py files under root, no directory named in skip on their path, sorted as Paths sort."""
     import os
 
@@ -100,7 +100,7 @@ def _stdlib_files(root: Path, skip: set[str]) -> list[Path]:
     return sorted(files)
 
 
-def _definitions(tree):
+def definitions(tree):
     """Module, class and function nodes in `ast.walk`'s breadth-first order, without visiting
     expressions: no expression holds a statement, so leaving their subtrees out changes neither
     the depth nor the relative order of the definitions."""
@@ -130,12 +130,12 @@ def stdlib_docstrings() -> tuple[str, ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
     docs = []
-    for path in _stdlib_files(root, skip):
+    for path in stdlib_files(root, skip):
         try:
             tree = ast.parse(path.read_bytes())
         except (SyntaxError, ValueError, OSError):
             continue
-        for node in _definitions(tree):
+        for node in definitions(tree):
             doc = ast.get_docstring(node)
             if doc and doc.strip():
                 docs.append(doc.strip())

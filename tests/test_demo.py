@@ -29,7 +29,7 @@ def test_stdlib_docs_walk_finds_what_ast_walk_finds_in_its_order(tmp_path):
     in every kind of block, and the pruned file walk against rglob's filter."""
     import ast
 
-    from extract.sources import _definitions, _stdlib_files
+    from extract.sources import definitions, stdlib_files
 
     code = '''"""m"""
 def f():
@@ -62,13 +62,13 @@ def z(): "z"
     tree = ast.parse(code)
     kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
     want = [ast.get_docstring(n) for n in ast.walk(tree) if isinstance(n, kinds)]
-    assert [ast.get_docstring(n) for n in _definitions(tree)] == want and len(want) == 13
+    assert [ast.get_docstring(n) for n in definitions(tree)] == want and len(want) == 13
     for rel in ("a.py", "b/c.py", "b/test/d.py", "site-packages/x/e.py", "f/tests.py", "g/h.txt", "g/__pycache__/i.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("")
     skip = {"site-packages", "test", "tests", "__pycache__"}
     slow = sorted(p for p in tmp_path.rglob("*.py") if not skip & set(p.relative_to(tmp_path).parts))
-    assert _stdlib_files(tmp_path, skip) == slow and len(slow) == 3
+    assert stdlib_files(tmp_path, skip) == slow and len(slow) == 3
 
 
 def test_train_saves_hf_checkpoints_tied_and_untied(workdir, sources):

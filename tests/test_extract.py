@@ -1,6 +1,5 @@
-"""Extraction details: accumulation precision, non-finite activations, readers, units, shards,
-checkpoints, model names and the parameter tables' cache (the accumulators apart from a command:
-test_accumulate.py)."""
+"""Extraction details: accumulation precision, non-finite activations, readers, units, shards, checkpoints,
+model names and the parameter tables' cache (the accumulators apart from a command: test_accumulate.py)."""
 
 from __future__ import annotations
 

@@ -137,10 +137,25 @@ def test_the_import_graph_has_no_circle():
     assert not cycles, "\n".join(cycles)
 
 
+# Every Python file of the checkout: the library, the tests, the benchmarks, the entry point.
+SOURCES = sorted({*MODULES.values(), *(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py"), ROOT / "cli.py"})
+
+
 def test_no_source_file_is_past_a_reading():
-    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in MODULES.values()
-            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in SOURCES if (n := len(p.read_text().splitlines())) > MAX_LINES]
     assert not long, "\n".join(long)
+
+
+def test_no_test_imports_a_private_name_of_another_module():
+    """(Tests may reach into a module's internals through its attributes — to patch them, say — but
+    what several test files share is a public helper.)"""
+    wrong = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                wrong += [f"{path.relative_to(ROOT)}:{node.lineno} imports {node.module}.{a.name}"
+                          for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_every_module_says_what_it_is_for():
