@@ -29,7 +29,7 @@ from ..storage import open_storage, reading_once, retry_policy
 from .checks import PendingPartials, pending_line, verify_listed
 from .readonly import (READ_ONLY_SETTINGS, ReadOnlyConnection, ReadOnlyRelation, check_read_only, listed_paths,
                        read_only)
-from .views import (BASE_VIEWS, QUERIES_DIR, Metric, all_view_sql, base_view_sql, bound_files, deferred, file_literal,
+from .views import (BASE_VIEWS, QUERIES_DIR, Metric, all_view_sql, base_view_sql, bound_files, file_literal,
                     glob_escaped, glob_unescaped, load_metrics, sql_literal, view_closure, view_names,
                     views_read, views_reference)
 from .views_file import companions_current, refresh_companions, views_tag, write_views_file
@@ -66,8 +66,8 @@ def connect(root=DEFAULT_WAREHOUSE, views=None) -> "ReadOnlyConnection":
     only = None if views is None else view_closure([views] if isinstance(views, str) else views)
     con = duckdb.connect()
     try:
-        for stmt in all_view_sql(root, manifest, con, only):
-            con.execute(deferred(stmt))
+        for stmt in all_view_sql(root, manifest, con, only, defer=True):
+            con.execute(stmt)
     except duckdb.Error as e:
         con.close()
         raise UserError(duckdb_error_line(e)) from None

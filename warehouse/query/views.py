@@ -173,10 +173,18 @@ def _vector_schema(table: str, arrow_schema, entries: list[Entry]):
     return arrow_schema.set(i, arrow_schema.field(i).with_type(schema.vector_type(widest)))
 
 
+def create_view(name: str, defer: bool) -> str:
+    """The head of a view's CREATE statement, up to AS.  `defer`: DuckDB (2.0 on) binds the view when a query
+    reads it rather than when it is created — a query binds every view it reads in any case, and binding at
+    creation as well would read each base table's Parquet metadata and expand every metric's inputs again,
+    for views most connections never read."""
+    return f"CREATE OR REPLACE VIEW {name}{' WITH (DEFER_BINDING)' if defer else ''} AS"
+
+
 def base_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | None = None,
-                  only: set[str] | None = None) -> list[str]:
+                  only: set[str] | None = None, defer: bool = False) -> list[str]:
     """CREATE VIEW statements of the base tables over the files the manifest lists (`only`: of those
-    tables alone).  Local files and views.sql: read_parquet of the paths / s3:// URLs, glob characters
+    tables alone; `defer`: see `create_view`).  Local files and views.sql: read_parquet of the paths / s3:// URLs, glob characters
     escaped (`file_literal`).  With `con` and a warehouse on S3: each table is a pyarrow dataset over
     the S3 filesystem, registered in `con` (no DuckDB extension needed)."""
     st = open_storage(root)
@@ -203,31 +211,20 @@ def base_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | Non
             src = "SELECT " + ", ".join(
                 f'CAST(NULL AS {schema.duckdb_type(f.type)}) AS "{f.name}"' for f in arrow_schema
             ) + " WHERE false"
-        statements.append(f"CREATE OR REPLACE VIEW {table} AS {src};")
+        statements.append(f"{create_view(table, defer)} {src};")
     if only is None or "runs" in only:
-        statements.append(_runs_view_sql(st, manifest, con))
+        statements.append(f"{create_view('runs', defer)} {_runs_select(st, manifest, con)};")
     return statements
 
 
-def _runs_view_sql(st, manifest: Manifest, con) -> str:
+def _runs_select(st, manifest: Manifest, con) -> str:
     if con is not None:  # a Python connection: the runs of this very manifest, in memory
         con.register("_runs", store.runs_table(manifest))
-        return "CREATE OR REPLACE VIEW runs AS SELECT * FROM _runs;"
+        return "SELECT * FROM _runs"
     if manifest["entries"]:
-        return f"CREATE OR REPLACE VIEW runs AS SELECT * FROM read_parquet({file_literal(st.uri(store.RUNS_FILE))});"
-    return "CREATE OR REPLACE VIEW runs AS SELECT " + ", ".join(
-        f"CAST(NULL AS {schema.duckdb_type(f.type)}) AS {f.name}" for f in schema.RUNS) + " WHERE false;"
-
-
-def deferred(statement: str) -> str:
-    """A CREATE VIEW statement of `all_view_sql`, made so that DuckDB (2.0 on) binds the view when a query
-    reads it rather than when it is created.  A query binds every view it reads in any case; binding at
-    creation as well would read each base table's Parquet metadata and expand every metric's inputs
-    again, for views most connections never read."""
-    m = re.match(r"CREATE OR REPLACE VIEW (\w+) AS\b", statement)
-    if m is None:  # (a metric's name that is no identifier: DuckDB's own error names it)
-        return statement
-    return f"CREATE OR REPLACE VIEW {m.group(1)} WITH (DEFER_BINDING) AS{statement[m.end():]}"
+        return f"SELECT * FROM read_parquet({file_literal(st.uri(store.RUNS_FILE))})"
+    return "SELECT " + ", ".join(
+        f"CAST(NULL AS {schema.duckdb_type(f.type)}) AS {f.name}" for f in schema.RUNS) + " WHERE false"
 
 
 def view_names() -> set[str]:
@@ -275,9 +272,9 @@ def views_read(query: str) -> set[str] | None:
 
 
 def all_view_sql(root, manifest: Manifest, con: duckdb.DuckDBPyConnection | None = None,
-                 only: set[str] | None = None) -> list[str]:
+                 only: set[str] | None = None, defer: bool = False) -> list[str]:
     """Every view's CREATE statement, inputs first; `only`: of those views alone (a `view_closure`, so
-    that each view's inputs are among them)."""
-    return base_view_sql(root, manifest, con, only) + [
-        f"CREATE OR REPLACE VIEW {m.name} AS\n{m.body};" for m in load_metrics() if only is None or m.name in only
+    that each view's inputs are among them); `defer`: each bound when a query reads it (`create_view`)."""
+    return base_view_sql(root, manifest, con, only, defer) + [
+        f"{create_view(m.name, defer)}\n{m.body};" for m in load_metrics() if only is None or m.name in only
     ]
