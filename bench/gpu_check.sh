@@ -13,18 +13,18 @@
 #              and float64 moments; the paths taken printed
 #   tests      the CUDA-only tests (no host sync in the batch loop, the GPU paths against float64, the Triton
 #              kernels compiled for the GPU)
+#   p14-split  the same as p14 with every layer's moments centred and split (a trained model's mean-dominated
+#              layers)
+#   doctor     cli.py doctor at the 1.4B shape on Zipf text
+#   l8         the Llama-3-8B shape (d 4,096, 32 blocks, GQA 8, V 128,256; 4 × 2,048 tokens)
+#   blocks     the Triton token-sum kernels alone, per layer, under several block sizes (bench_triton_blocks.py)
 #   p14-grouped p14 with the bf16 moments as one batched GEMM of 1,024-row pieces per product and one float64
 #              reduction (bench/moments_variants.py: two launches per product, the error of 1,024-row sums)
 #   p14-1024   p14 with the bf16 moments as full products of 1,024 rows
-#   blocks     the Triton token-sum kernels alone, per layer, under several block sizes (bench_triton_blocks.py)
-#   p14-split  the same as p14 with every layer's moments centred and split (a trained model's mean-dominated
-#              layers)
 #   lean       the bf16 moments per layer: the upper triangle and the split rows' products of views against
 #              the full products, and their error against float64 in the tensor cores' summation order, by
 #              rows per float32 product, upper-triangle panels against full products
-#   doctor     cli.py doctor at the 1.4B shape on Zipf text
 #   p14-compiled the same as p14 with the compiled step instead of the Triton kernels (--no-triton)
-#   l8         the Llama-3-8B shape (d 4,096, 32 blocks, GQA 8, V 128,256; 4 × 2,048 tokens)
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 O=${OUT:-gpu-check}
@@ -63,14 +63,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 B="bench/bench_extract.py --device cuda --dtype bfloat16 --direct --moments --no-write --batches 4"
 P14="--hidden 2048 --layers 24 --batch 8 --seq 2048"
 step p14 120 $P $B $P14 --triton --profile --check
-step tests 120 $P -m pytest tests/test_gpu_path.py tests/test_accumulate.py -p no:xdist -p no:cacheprovider \
+step tests 120 $P -m pytest tests/test_gpu_path.py tests/test_accumulate.py tests/test_triton.py -p no:xdist -p no:cacheprovider \
     -k "cuda or gpu_paths or triton or lack"
-step p14-grouped 90 $P $B $P14 --moments-variant grouped --check
-step p14-1024 90 $P $B $P14 --moments-chunk 1024 --moments-panels 1 --check
-step blocks 60 $P bench/bench_triton_blocks.py
 step p14-split 90 $P $B $P14 --split-all
-step lean 60 $P bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384 --variants lean,grouped \
-    --chunks 4096,1024 --panels 4,1
 step mk 75 $P -c "
 import numpy as n, types, pathlib as q
 from bench.bench_extract import build_model
@@ -80,9 +75,14 @@ g = n.random.default_rng(0); p = n.arange(1, 50305) ** -1.1
 q.Path('/tmp/zipf.txt').write_text('\n'.join(' '.join('t%d' % i for i in g.choice(50304, 2048, p=p / p.sum()))
                                              for _ in range(72)))"
 step doctor 130 $P cli.py doctor --model /tmp/p14 --source zipf=/tmp/zipf.txt --seconds 20 --out "$O/doctor.json"
-step p14-compiled 90 $P $B $P14 --no-triton --check
 step l8 120 $P $B --arch llama --hidden 4096 --layers 32 --intermediate 14336 --kv-heads 8 --vocab 128256 \
     --batch 4 --seq 2048
+step blocks 60 $P bench/bench_triton_blocks.py
+step p14-grouped 90 $P $B $P14 --moments-variant grouped --check
+step p14-1024 90 $P $B $P14 --moments-chunk 1024 --moments-panels 1 --check
+step lean 60 $P bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384 --variants lean,grouped \
+    --chunks 4096,1024 --panels 4,1
+step p14-compiled 90 $P $B $P14 --no-triton --check
 grep -E "^(===|torch|GPU|20)|ratio|tok/s|paths|peak|check|moments bfloat16|passed|failed|skipped|random |mean |massive |BLOCK_" \
     "$O/steps.txt" >>"$O/summary.txt"
 cat "$O/summary.txt"
