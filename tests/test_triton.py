@@ -37,6 +37,7 @@ def test_the_triton_kernels_equal_the_eager_path_and_the_float64_moments(vocab, 
     for name in ("BLOCK_D", "NORMS_D", "SLOTS_D"):  # small blocks: several of each in tiny batches
         monkeypatch.setattr(fused, name, 32)
     monkeypatch.setattr(fused, "BLOCK_B", 4)
+    monkeypatch.setattr(fused, "BLOCK_T", 16)  # T = 40: three tiles of positions and one wholly masked
     gen = torch.Generator().manual_seed(3)
     eager = TokenSums(L, vocab, d, "cpu")
     tri = TokenSums(L, vocab, d, TRITON_DEVICE, triton=True)

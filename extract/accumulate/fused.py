@@ -123,7 +123,7 @@ def kernels(interpret: bool):
 # Block sizes: positions per program of the norms kernel and their column block, rows and columns per
 # program of the slots kernel, positions and columns per program of the windows kernel, windows per
 # program of the epilogue (bench/bench_triton_blocks.py times each kernel under others)
-BLOCK_P, NORMS_D, ROWS, SLOTS_D, BLOCK_T, BLOCK_D, BLOCK_B = 16, 256, 16, 256, 32, 64, 32
+BLOCK_P, NORMS_D, ROWS, SLOTS_D, BLOCK_T, BLOCK_D, BLOCK_B = 16, 256, 16, 256, 64, 64, 32
 
 
 def layer(p: Plan, layer_index: int, hidden: torch.Tensor, sums: torch.Tensor, counts: torch.Tensor,
