@@ -115,10 +115,10 @@ def test_covering_shard_after_folded_and_pending_halves_then_replace_back(tmp_pa
 
 
 def test_one_commit_of_two_overlapping_shards_of_a_source_is_refused(tmp_path):
-    # BUG (pre-existing, library API only: one extract commits one shard per source): coverage.replacements
-    # compares each new entry only with the COMMITTED ones (`old in manifest["entries"]`), never with the
-    # other new entries of the same commit, so merge.commit(root, [s0 1/1, s0 1/2]) is accepted and the
-    # documents of shard 1/2 are counted twice in s0 and 'all'.  Expected: the one-line conflict error.
+    # Was a bug (fixed; library API only: one extract commits one shard per source): coverage.replacements
+    # compared each new entry only with the committed ones, never with the other new entries of the same
+    # commit, so merge.commit(root, [s0 1/1, s0 1/2]) was accepted and the documents of shard 1/2 counted
+    # twice in s0 and 'all'.  Expected: the one-line conflict error.
     root = tmp_path / "wh"
     rng = np.random.default_rng(19)
     whole, half = random_partial(root, rng, "s0", "1-of-1"), random_partial(root, rng, "s0", "1-of-2")
@@ -199,12 +199,11 @@ def test_a_fold_that_lost_to_a_rerun_of_its_pending_partial_folds_the_rerun(tmp_
 
 
 def test_a_merge_whose_only_pending_partial_was_rerun_meanwhile_folds_the_rerun(tmp_path, monkeypatch):
-    # BUG (minor): fold_pending (warehouse/commits.py, `if not want & {partial_id(e) for e in todo}`)
-    # remembers the partials pending when it started by run_id:key; when an appending re-run replaces
-    # the only one before the fold's record lands, the retry finds none of `want` pending and returns
-    # 1 ("folded 1 pending partial(s)" from `cli.py merge`) having folded nothing: the re-run of that
-    # very shard is still pending after the merge returns.  Expected: the re-run (same key) folded, as
-    # the merge was asked to fold that shard's data; got: pending_pairs == [("m", "c")].
+    # Was a bug (fixed): fold_pending remembered the partials pending when it started by run_id:key; when
+    # an appending re-run replaced the only one before the fold's record landed, the retry found none of
+    # them pending and returned 1 ("folded 1 pending partial(s)" from `cli.py merge`) having folded
+    # nothing: the re-run of that very shard was still pending after the merge returned.  Expected: the
+    # re-run (same key) folded, as the merge was asked to fold that shard's data.
     root = tmp_path / "wh"
     rng = np.random.default_rng(16)
     a = random_partial(root, rng, "s0", "1-of-1")
@@ -391,9 +390,9 @@ def _worker(args):
 
 
 def test_racing_folds_appends_folding_commits_and_compact_of_another_checkpoint(tmp_path):
-    # BUG (intermittent, about 1 run in 2 here): a fold_pending / compact worker dies with
-    # FileNotFoundError or "…listed in the commit log but missing" when another worker's record deletes
-    # the old merged files (or compact of c2 the token_sums) it is reading: the same cause as
+    # Was a bug (fixed; intermittent, about 1 run in 2): a fold_pending / compact worker died with
+    # FileNotFoundError or "…listed in the commit log but missing" when another worker's record deleted
+    # the old merged files (or compact of c2 the token_sums) it was reading: the same cause as
     # test_a_fold_whose_old_state_another_writer_replaced_meanwhile_retries (deterministic there).
     """Eight processes at once: appending and folding commits (one a re-run of a folded shard), two
     fold_pending and a compact of checkpoint c2: every partial of c counted once, c2 compacted with
