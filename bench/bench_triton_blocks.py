@@ -6,6 +6,8 @@ layer's), token ids from a Zipf law (s = 1.1) over the vocabulary, like text.
     python bench/bench_triton_blocks.py                          # the 1.4B shape: 8 × 2,048, d 2,048
     python bench/bench_triton_blocks.py --configs "ROWS=16 ROWS=32,SLOTS_D=128 NORMS_D=512"
 
+The counted rows are written for the moments as in the default pass (`--no-rows`: not written).
+
 On a CPU it needs TRITON_INTERPRET=1 and a tiny shape (the interpreter is slow): it then only checks
 that every configuration gives the same sums.
 """

@@ -15,7 +15,8 @@
 #              kernels compiled for the GPU)
 #   p14-split  the same as p14 with every layer's moments centred and split (a trained model's mean-dominated
 #              layers)
-#   doctor     cli.py doctor at the 1.4B shape on Zipf text
+#   doctor     cli.py doctor at the 1.4B shape on Zipf text (its saved model and text made by the step mk,
+#              which runs with it: name both in GPU_CHECK_STEPS)
 #   l8         the Llama-3-8B shape (d 4,096, 32 blocks, GQA 8, V 128,256; 4 × 2,048 tokens)
 #   blocks     the Triton token-sum kernels alone, per layer, under several block sizes (bench_triton_blocks.py)
 #   p14-grouped p14 with the bf16 moments as one batched GEMM of 1,024-row pieces per product and one float64
@@ -77,12 +78,12 @@ q.Path('/tmp/zipf.txt').write_text('\n'.join(' '.join('t%d' % i for i in g.choic
 step doctor 130 $P cli.py doctor --model /tmp/p14 --source zipf=/tmp/zipf.txt --seconds 20 --out "$O/doctor.json"
 step l8 120 $P $B --arch llama --hidden 4096 --layers 32 --intermediate 14336 --kv-heads 8 --vocab 128256 \
     --batch 4 --seq 2048
-step blocks 60 $P bench/bench_triton_blocks.py
+step blocks 90 $P bench/bench_triton_blocks.py
 step p14-grouped 90 $P $B $P14 --moments-variant grouped --check
 step p14-1024 90 $P $B $P14 --moments-chunk 1024 --moments-panels 1 --check
 step lean 60 $P bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384 --variants lean,grouped \
     --chunks 4096,1024 --panels 4,1
 step p14-compiled 90 $P $B $P14 --no-triton --check
-grep -E "^(===|torch|GPU|20)|ratio|tok/s|paths|peak|check|moments bfloat16|passed|failed|skipped|random |mean |massive |BLOCK_" \
+grep -E "^(===|torch|GPU|20)|ratio|tok/s|paths|peak|check|moments bfloat16|passed|failed|skipped|random |mean |massive |BLOCK_|^NORMS_D=|^ROWS=" \
     "$O/steps.txt" >>"$O/summary.txt"
 cat "$O/summary.txt"
