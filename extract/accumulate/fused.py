@@ -176,7 +176,9 @@ def layer(p: Plan, layer_index: int, hidden: torch.Tensor, sums: torch.Tensor, c
                                                         zero, windows, window_cos, *unit),
          dict(N_COLS=ncol, B_TILES=pow2(triton_cdiv(B, BLOCK_B)), BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D)),
     )
-    key = (dev.type, hidden.dtype, rows, d)
+    # every compiled variant these launches use: the loop lengths over positions and windows are compiled in
+    key = (dev.type, hidden.dtype, rows, d, pow2(triton_cdiv(T, BLOCK_T)), pow2(triton_cdiv(B, BLOCK_B)),
+           BLOCK_P, NORMS_D, ROWS, SLOTS_D, BLOCK_T, BLOCK_D, BLOCK_B)
     if key not in _WARM and dev.type == "cuda":  # every kernel compiled before any writes: a compile
         other = norms(change is None)  # that fails leaves the sums untouched (the caller falls back);
         # both variants of the norms kernel, so that the batch's second layer compiles nothing new
@@ -198,7 +200,7 @@ def _rows(hidden: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(1) == 1 else flat.contiguous()
 
 
-_WARM: set = set()  # (device type, dtype, rows, d) whose kernels are compiled
+_WARM: set = set()  # (device type, dtype, rows, d, position and window tiles, block sizes) compiled
 
 
 def triton_cdiv(a: int, b: int) -> int:
