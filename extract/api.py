@@ -297,31 +297,19 @@ def extract_model(model, tokenizer, sources, warehouse, *, name: str, checkpoint
 
 def headlines(warehouse, name: str, checkpoint: str) -> dict[str, float]:
     """The last layer's Inter-Sim and average Intra-Sim, and I(W) of the embedding and unembedding
-    (raw, not centred), of one (model, checkpoint), from the warehouse's views."""
-    import duckdb
+    (raw, not centred), of one (model, checkpoint), from the warehouse's views (one query: `sql`, whose
+    failures are one line)."""
+    from warehouse.query import sql, sql_literal
 
-    from warehouse.query import connect, duckdb_error_line
-
-    con = connect(warehouse, views=["inter_sim", "avg_intra_sim", "isotropy"])
-    try:
-        out = {}
-        for key, query in (
-            ("inter_sim_last", "SELECT inter_sim FROM inter_sim WHERE model = ? AND checkpoint = ? ORDER BY layer DESC LIMIT 1"),
-            ("avg_intra_sim_last", "SELECT avg_intra_sim FROM avg_intra_sim WHERE model = ? AND checkpoint = ? "
-                                   "ORDER BY layer DESC LIMIT 1"),
-            ("i_w_embedding", "SELECT i_w FROM isotropy WHERE model = ? AND checkpoint = ? AND matrix = 'embedding' "
-                              "AND NOT centered"),
-            ("i_w_unembedding", "SELECT i_w FROM isotropy WHERE model = ? AND checkpoint = ? AND matrix = 'unembedding' "
-                                "AND NOT centered"),
-        ):
-            row = con.execute(query, [name, checkpoint]).fetchone()
-            if row is not None and row[0] is not None:
-                out[key] = float(row[0])
-        return out
-    except duckdb.Error as e:  # a file gone since connect() checked it, say: one line
-        raise UserError(duckdb_error_line(e)) from None
-    finally:
-        con.close()
+    where = f"model = {sql_literal(name)} AND checkpoint = {sql_literal(checkpoint)}"
+    columns = {
+        "inter_sim_last": f"SELECT inter_sim FROM inter_sim WHERE {where} ORDER BY layer DESC LIMIT 1",
+        "avg_intra_sim_last": f"SELECT avg_intra_sim FROM avg_intra_sim WHERE {where} ORDER BY layer DESC LIMIT 1",
+        "i_w_embedding": f"SELECT i_w FROM isotropy WHERE {where} AND matrix = 'embedding' AND NOT centered LIMIT 1",
+        "i_w_unembedding": f"SELECT i_w FROM isotropy WHERE {where} AND matrix = 'unembedding' AND NOT centered LIMIT 1",
+    }
+    row = sql("SELECT " + ", ".join(f"({q}) AS {k}" for k, q in columns.items()), warehouse).row(0, named=True)
+    return {k: float(v) for k, v in row.items() if v is not None}
 
 
 def probe_isotropy(model, tokenizer, source, warehouse, *, name: str, step: int, max_tokens: int | None = None,

@@ -51,8 +51,8 @@ def connect(root=DEFAULT_WAREHOUSE, views=None) -> "ReadOnlyConnection":
     (`ReadOnlyConnection`).  Use it as a DuckDBPyConnection: `connect(wh).execute(q).pl()`.  Partials
     committed but not folded yet are not in the views: a `PendingPartials` warning says so.
 
-    `views`: only these views and the views they read (binding each view is most of the cost of
-    opening; a program that reads a few opens faster), e.g. `connect(wh, views=["inter_sim"])`."""
+    `views`: only these views and the views they read (each view is created, unbound, at every opening;
+    a program that reads a few opens faster), e.g. `connect(wh, views=["inter_sim"])`."""
     root = open_storage(root, must_exist=True)
     manifest = refresh_companions(root, strict=False)
     stale, extra = merge.stale_groups(manifest)
