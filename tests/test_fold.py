@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import call_all, run_cli
+from fold_checks import quiet_snapshot
 from test_merge import check_against, oracle, random_partial, rounded_views
 from test_reliability import run_subprocess
 from warehouse import merge, store
@@ -221,14 +222,10 @@ def test_kill_9_during_a_fold_leaves_nothing_half_visible(tmp_path, point):
     merge.commit(root, entries[:1])
     for e in entries[1:]:
         merge.commit(root, [e], fold=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PendingPartials)
-        before = rounded_views(root)
+    before = quiet_snapshot(root)
     proc = run_subprocess(["merge", "--warehouse", str(root)], fault=f"{point}:1")
     assert proc.returncode == -9, proc.stderr[-2000:]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PendingPartials)
-        now = rounded_views(root)
+    now = quiet_snapshot(root)
     landed = merge.pending(store.read_manifest(root)) == {}
     assert landed == (point == "views")
     if not landed:
