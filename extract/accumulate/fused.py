@@ -152,6 +152,7 @@ def layer(p: Plan, layer_index: int, hidden: torch.Tensor, sums: torch.Tensor, c
     out_rows = torch.empty(p.M if rows else 0, d, dtype=hidden.dtype, device=dev)
     ok = torch.empty(p.M if rows else 0, dtype=torch.int8, device=dev)
     ncol = triton_cdiv(d, BLOCK_D)
+    t_tiles, b_tiles = pow2(triton_cdiv(T, BLOCK_T)), pow2(triton_cdiv(B, BLOCK_B))  # loop lengths, compiled in
 
     def norms(with_change):  # the norms kernel's launch, with or without the layer change
         if change is not None:
@@ -169,16 +170,15 @@ def layer(p: Plan, layer_index: int, hidden: torch.Tensor, sums: torch.Tensor, c
     launches = (
         norms(change is not None),
         (_windows, (B, ncol), (flat, flat.stride(0), inv, p.dest, out_rows, ok, m, u, u2, nw, T, d),
-         dict(WRITE=rows, T_TILES=pow2(triton_cdiv(T, BLOCK_T)), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)),
+         dict(WRITE=rows, T_TILES=t_tiles, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)),
         (_slots, (triton_cdiv(max(p.M, 1), ROWS), triton_cdiv(d, SLOTS_D)),
          (flat, flat.stride(0), inv, p.order, p.slots, sums, counts, p.M, d), dict(R=ROWS, BLOCK_D=SLOTS_D)),
         (_epilogue, (ncol + triton_cdiv(B, BLOCK_B),), (m, u, u2, nw, B, d, s, counts3, sum_h, sum_u2, nonfinite,
                                                         zero, windows, window_cos, *unit),
-         dict(N_COLS=ncol, B_TILES=pow2(triton_cdiv(B, BLOCK_B)), BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D)),
+         dict(N_COLS=ncol, B_TILES=b_tiles, BLOCK_B=BLOCK_B, BLOCK_D=BLOCK_D)),
     )
-    # every compiled variant these launches use: the loop lengths over positions and windows are compiled in
-    key = (dev.type, hidden.dtype, rows, d, pow2(triton_cdiv(T, BLOCK_T)), pow2(triton_cdiv(B, BLOCK_B)),
-           BLOCK_P, NORMS_D, ROWS, SLOTS_D, BLOCK_T, BLOCK_D, BLOCK_B)
+    key = (dev.type, hidden.dtype, rows, d, t_tiles, b_tiles, BLOCK_P, NORMS_D, ROWS, SLOTS_D, BLOCK_T, BLOCK_D,
+           BLOCK_B)  # every compiled variant these launches use
     if key not in _WARM and dev.type == "cuda":  # every kernel compiled before any writes: a compile
         other = norms(change is None)  # that fails leaves the sums untouched (the caller falls back);
         # both variants of the norms kernel, so that the batch's second layer compiles nothing new
