@@ -8,17 +8,38 @@ same, bit for bit, as in the calling thread (tests/test_gpu_path.py).
 Shutdown: the thread is a daemon and never outlives the loop that reads it — leaving the loop for
 any reason (end, error, Ctrl-C's KeyboardInterrupt, a fault) sets a stop flag, drains the queue and
 joins the thread (it checks the flag between batches and while waiting for room), so no thread is
-left tokenising when the interpreter exits.  An error in the thread is re-raised in the reader."""
+left tokenising when the interpreter exits.  An error in the thread is re-raised in the reader.
+
+The GIL: the thread's work is mostly Python holding the GIL (sentence splitting, windowing), while
+the forward releases it inside every torch op and must take it back when the op returns — after up
+to the interpreter's switch interval (5 ms by default) of the thread's Python: a convoy in which each
+of the forward's ops waits for the tokeniser.  While the thread runs, the switch interval is
+SWITCH_INTERVAL (restored at close), so an op's return waits ~0.1 ms (bench/bench_gil_convoy.py)."""
 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from typing import Iterator
 
 import torch
 
 _DONE = object()
+_GIL = {"holders": 0, "saved": 0.0}  # prefetch threads running, the switch interval before the first
+_GIL_LOCK = threading.Lock()
+
+
+def _responsive_gil(change: int, interval: float) -> None:
+    """The first running Prefetch thread shortens the interpreter's switch interval, the last one
+    to close restores it (in whatever order several close)."""
+    with _GIL_LOCK:
+        if _GIL["holders"] == 0 and change > 0:
+            _GIL["saved"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_GIL["saved"], interval))
+        _GIL["holders"] += change
+        if _GIL["holders"] == 0 and change < 0:
+            sys.setswitchinterval(_GIL["saved"])
 
 
 class _Failed:
@@ -41,12 +62,14 @@ class Prefetch:
     ahead = 0: made in the calling thread (the old behaviour)."""
 
     JOIN_SECONDS = 10.0  # at close: how long to wait for a thread busy inside one tokenizer call
+    SWITCH_INTERVAL = 1e-4  # seconds of Python a thread runs before another waiting for the GIL gets it
 
     def __init__(self, make, device: torch.device | str, ahead: int = 4):
         self._make, self._device, self._ahead = make, device, ahead
         self._stop = threading.Event()
         self._q: queue.Queue = queue.Queue(maxsize=max(ahead, 1))
         self._thread: threading.Thread | None = None
+        self._responsive = False  # whether this instance holds the short switch interval
 
     def __enter__(self) -> "Prefetch":
         return self
@@ -60,6 +83,9 @@ class Prefetch:
                 yield stage(batch, self._device)
             return
         self._thread = threading.Thread(target=self._produce, name="batches", daemon=True)
+        if not self._responsive:
+            self._responsive = True
+            _responsive_gil(+1, self.SWITCH_INTERVAL)
         self._thread.start()
         while True:
             item = self._q.get()
@@ -104,3 +130,6 @@ class Prefetch:
                     break
             self._thread.join(self.JOIN_SECONDS)
             self._thread = None
+        if self._responsive:
+            self._responsive = False
+            _responsive_gil(-1, self.SWITCH_INTERVAL)

@@ -219,10 +219,36 @@ def test_background_batches_and_no_mask_without_padding_give_identical_sums(fami
 
 def test_prefetch_hands_on_errors_and_stops_its_thread_when_the_reader_leaves():
     """An error while making batches reaches the reader; a reader that stops early (Ctrl-C, a fault)
-    leaves no thread behind, even with the producer blocked on a full queue."""
+    leaves no thread behind, even with the producer blocked on a full queue.  While its thread runs
+    the interpreter's switch interval is Prefetch.SWITCH_INTERVAL (the forward's ops do not wait 5 ms
+    for the GIL after each return), and it is restored however the reader leaves."""
+    import sys
     import threading
 
     from extract.staging import Prefetch
+
+    default = sys.getswitchinterval()
+    seen = []
+
+    def watched():
+        for i in range(3):
+            seen.append(sys.getswitchinterval())
+            yield (torch.full((1,), i),)
+
+    with Prefetch(watched, "cpu", 2) as p:
+        assert [int(t) for (t,) in p] == [0, 1, 2]
+    assert seen == [pytest.approx(Prefetch.SWITCH_INTERVAL)] * 3 and Prefetch.SWITCH_INTERVAL < default
+    assert sys.getswitchinterval() == default
+    one, two = Prefetch(watched, "cpu", 2), Prefetch(watched, "cpu", 2)
+    next(iter(one)), next(iter(two))  # two threads at once, closed in the order they started
+    one.close()
+    assert sys.getswitchinterval() == pytest.approx(Prefetch.SWITCH_INTERVAL)
+    two.close()
+    assert sys.getswitchinterval() == default
+    with Prefetch(watched, "cpu", 0) as p:  # made in the loop: no thread, the interval untouched
+        seen.clear()
+        list(p)
+    assert seen == [default] * 3
 
     def bad():
         yield (torch.zeros(1),)
@@ -250,6 +276,7 @@ def test_prefetch_hands_on_errors_and_stops_its_thread_when_the_reader_leaves():
                 if n == 5:
                     raise KeyboardInterrupt
     assert closed.wait(5) and threading.active_count() == before
+    assert sys.getswitchinterval() == default
 
 
 def synthetic(ratio: float, d: int, rows: int, L: int, batch: int, seed: int):
