@@ -14,7 +14,8 @@ The GIL: the thread's work is mostly Python holding the GIL (sentence splitting,
 the forward releases it inside every torch op and must take it back when the op returns — after up
 to the interpreter's switch interval (5 ms by default) of the thread's Python: a convoy in which each
 of the forward's ops waits for the tokeniser.  While the thread runs, the switch interval is
-SWITCH_INTERVAL (restored at close), so an op's return waits ~0.1 ms (bench/bench_gil_convoy.py)."""
+SWITCH_INTERVAL (restored when the last one closes), so the thread gives the GIL back within ~0.1 ms
+(the worst case, a thread that never pauses, measured: bench/bench_gil_convoy.py --busy)."""
 
 from __future__ import annotations
 
@@ -82,11 +83,18 @@ class Prefetch:
             for batch in self._make():
                 yield stage(batch, self._device)
             return
+        if self._stop.is_set():
+            raise RuntimeError("Prefetch iterated after close()")
         self._thread = threading.Thread(target=self._produce, name="batches", daemon=True)
         if not self._responsive:
-            self._responsive = True
             _responsive_gil(+1, self.SWITCH_INTERVAL)
-        self._thread.start()
+            self._responsive = True
+        try:
+            self._thread.start()
+        except BaseException:
+            self._thread = None  # (close() must not join a thread that never started)
+            self.close()
+            raise
         while True:
             item = self._q.get()
             if item is _DONE:
@@ -120,16 +128,19 @@ class Prefetch:
                 gen.close()  # the generator's own cleanup (open files) runs in its thread
 
     def close(self) -> None:
-        """Stop the thread and wait for it (idempotent)."""
+        """Stop the thread and wait for it (idempotent); the switch interval is given back even if
+        the wait is interrupted."""
         self._stop.set()
-        if self._thread is not None:
-            while True:  # room for a put that is waiting, so the thread sees the flag at once
-                try:
-                    self._q.get_nowait()
-                except queue.Empty:
-                    break
-            self._thread.join(self.JOIN_SECONDS)
+        try:
+            if self._thread is not None:
+                while True:  # room for a put that is waiting, so the thread sees the flag at once
+                    try:
+                        self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                self._thread.join(self.JOIN_SECONDS)
+        finally:
             self._thread = None
-        if self._responsive:
-            self._responsive = False
-            _responsive_gil(-1, self.SWITCH_INTERVAL)
+            if self._responsive:
+                self._responsive = False
+                _responsive_gil(-1, self.SWITCH_INTERVAL)
