@@ -84,7 +84,7 @@ class TokenSums:
         self.change_cos = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
         self.change_angle = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
         self._prev = None  # (layer, its rows, their 1/‖h‖) of the batch's last layer added (`_prev_rows`)
-        self._change_buf = None  # the CPU path's (CHUNK, d) float64 buffer for `change_norms`
+        self._chunk_bufs = None  # the CPU path's float64 chunk buffers (`_buffers`)
         self._batch = None
         self._nxt = None  # (B·T,) the positions' next counted positions (`set_batch`, compiled step with `extra`)
         # On a GPU, a few compiled kernels per layer (norm; scale + scatter-add; per-window
@@ -439,13 +439,15 @@ class TokenSums:
         finites, oks, excluded = [], [], False  # per chunk: its finite rows, its finite non-zero rows (c,)
         invs, change = [], []  # per chunk: 1/‖h‖ (0 where excluded); ‖û_prev − û‖ (`change_distance`)
         prev = self._prev_rows(layer, self._batch[0])
+        up, cb = self._buffers(d)
         fuse = self.extra is not None and (self.WINDOW_TERMS if self.WINDOW_TERMS is not None
                                            else self.extra.worker is None)
         terms = [] if fuse else None  # per chunk: `row_terms` of its rows
         for a in range(0, M, self.CHUNK):
             b = min(a + self.CHUNK, M)
             o = 2 if terms is not None and a > 0 else 0  # the per-window terms: 2 rows of the previous chunk
-            xe = h[a - o:b].to(f64, copy=True)  # (o + c, d) exact upcast, never h itself (moments read h later)
+            xe = up[: b - a + o]  # (o + c, d) exact upcast into the reused buffer, never h itself (the
+            xe.copy_(h[a - o:b])  # moments read h later)
             x = xe[o:]  # (c, d) this chunk's rows
             norm = torch.linalg.vector_norm(x, dim=1)  # (c,) float64
             inv = norm.reciprocal()
@@ -462,10 +464,10 @@ class TokenSums:
             m.index_add_(0, win[a:b], x)
             x.mul_(inv.unsqueeze(1))  # û
             invs.append(inv)
-            if prev is not None:  # the change from the previous layer's rows of the chunk (upcast here)
-                if self._change_buf is None or self._change_buf.shape != (self.CHUNK, d):
-                    self._change_buf = torch.empty(self.CHUNK, d, dtype=f64)
-                change.append(change_distance(prev[0][a:b], prev[1][a:b], x, out=self._change_buf[: b - a]))
+            if prev is not None:  # the change from the previous layer's rows of the chunk, upcast exactly
+                pe = cb[: b - a]  # into the second buffer (float64 throughout: the same bits as the mixed-dtype
+                pe.copy_(prev[0][a:b])  # product, without its per-call float64 copy)
+                change.append(change_distance(pe, prev[1][a:b], x, out=pe))
             u.index_add_(0, win[a:b], x)
             S.index_add_(0, index[a:b], x)
             u2 += x.mul_(x).sum(0)
@@ -492,6 +494,15 @@ class TokenSums:
             if terms is not None:  # (M,) each, the chunks' pieces joined
                 terms = tuple(torch.cat(t) for t in zip(*terms))
             self.extra.add(layer, h, ok, m, n_w, terms=terms)
+
+    def _buffers(self, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CPU path's two float64 chunk buffers, (CHUNK + 2, d) for the upcast rows and (CHUNK, d)
+        for the previous layer's, made once: a fresh (CHUNK, d) float64 tensor per chunk is a fresh
+        mapping of memory whose first writes fault page by page, which cost more than the arithmetic."""
+        if self._chunk_bufs is None or self._chunk_bufs[1].shape != (self.CHUNK, d):
+            self._chunk_bufs = (torch.empty(self.CHUNK + 2, d, dtype=torch.float64),
+                                torch.empty(self.CHUNK, d, dtype=torch.float64))
+        return self._chunk_bufs
 
     def _window_stats(self, layer, m, u, n_w, u2) -> None:
         """Fold one batch's per-window sums m = Σh (B, d), u = Σû (B, d), n_w (B,) and Σû² (d,)."""
