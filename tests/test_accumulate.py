@@ -100,8 +100,9 @@ def test_moments_on_a_background_thread_equal_inline_bit_for_bit():
 
 def test_onednn_products_equal_the_torch_path_and_float64():
     """The CPU's float32 products, in row chunks, through oneDNN on the transposed rows (taken where
-    the CPU has AVX-512) and through torch on the rows as they are (MKL; AVX2 CPUs), both against
-    the exact float64 products — batches of changing size (the reused
+    AMD CPUs with AVX-512) and through torch on the rows as they are (MKL; Intel and AVX2 CPUs),
+    the latter also with Σh given by the caller (the token sums': the rows centred as they are
+    copied), all against the exact float64 products — batches of changing size (the reused
     buffers grow and shrink) split into row chunks, an odd d, bf16 and float32 input, zeroed rows,
     pairs."""
     if platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available():
@@ -110,9 +111,9 @@ def test_onednn_products_equal_the_torch_path_and_float64():
         pytest.skip("oneDNN's path is x86-64 only")
     torch.manual_seed(3)
     for d in (17, 64):
-        fast, slow = Moments(3, d, "cpu", background=False), Moments(3, d, "cpu", background=False)
-        fast._nt, slow._nt = matmul.ONEDNN, None  # oneDNN on transposed rows (AVX-512 CPUs); MKL on the rows
-        fast.CHUNK = slow.CHUNK = 32  # several chunks per batch, a partial last one
+        fast, slow, given = (Moments(3, d, "cpu", background=False) for _ in range(3))
+        fast._nt, slow._nt, given._nt = matmul.ONEDNN, None, None  # oneDNN on transposed rows; MKL on the rows
+        fast.CHUNK = slow.CHUNK = given.CHUNK = 32  # several chunks per batch, a partial last one
         exact = Moments(3, d, "cpu", precision="float64", background=False)
         assert exact._nt is None and not exact._chunked
         for M, dtype in ((50, torch.float32), (120, torch.bfloat16), (7, torch.float32), (90, torch.float32)):
@@ -121,19 +122,22 @@ def test_onednn_products_equal_the_torch_path_and_float64():
                 h = (torch.randn(M, d) * (layer + 1) + 30).to(dtype).masked_fill(~ok[:, None], 0)
                 for m in (fast, slow, exact):
                     m.add(layer, h, ok)
+                given.add(layer, h, ok, s=h.double().sum(0), n=ok.sum())
+        assert given._c_set == slow._c_set == [True] * 3
         for layer in range(3):
             ref64 = exact.s2(layer)
-            for m in (fast, slow):
+            for m in (fast, slow, given):
                 assert np.abs(m.s2(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max(), (d, layer)
-            for m in (fast, slow):
                 assert torch.allclose(m.s1, exact.s1, rtol=1e-14, atol=0) and torch.equal(m.n, exact.n)
         for layer in range(2):
             ref64 = exact.cross(layer)
-            for m in (fast, slow):
+            for m in (fast, slow, given):
                 assert np.abs(m.cross(layer) - ref64).max() <= 1e-6 * np.abs(ref64).max(), (d, layer)
-        assert torch.equal(fast.n_pair, exact.n_pair) and torch.equal(slow.n_pair, exact.n_pair)
+        for m in (fast, slow, given):
+            assert torch.equal(m.n_pair, exact.n_pair)
     default = Moments(2, 4, "cpu", background=False)  # the layout this CPU gets
-    assert default._chunked and (default._nt is matmul.ONEDNN) == matmul.avx512()
+    assert default._chunked and (default._nt is matmul.ONEDNN) == matmul.mkl_skips_avx512()
+    assert matmul.mkl_skips_avx512() <= matmul.avx512()
 
 
 def test_bfloat16_moments_are_exact_products_against_float64():

@@ -354,7 +354,7 @@ def test_doctor_measures_checks_and_saves_a_report(model_factory, sources, tmp_p
     assert rep["device"] == "cpu" and rep["passes"] >= 1 and rep["batches"] == 2 and rep["tokens_per_pass"] > 0
     assert rep["bare_tok_s"] > 0 and rep["default_tok_s"] > 0 and rep["ratio"] > 0 and rep["peak_memory_bytes"] > 0
     assert rep["paths"] == {"layer_step": "eager", "scatter": "atomic", "moments": "float32 (centred, oneDNN)"
-                            if matmul.ONEDNN is not None and matmul.avx512() else "float32 (centred)"}
+                            if matmul.ONEDNN is not None and matmul.mkl_skips_avx512() else "float32 (centred)"}
     assert rep["check"]["token_sums_max_rel_error"] <= 1e-12 and rep["check"]["moments_covariance_max_rel_error"] <= 1e-5
     assert rep["versions"]["torch"] and "ratio" in err and "saved:" in err
     assert "doctor: warm-up: one bare forward pass" in err and "alternating the bare forward" in err  # never silent

@@ -59,6 +59,22 @@ def avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
+@functools.cache
+def mkl_skips_avx512() -> bool:
+    """Whether this CPU has AVX-512 that MKL's float32 products would not use: AVX-512 on a CPU that
+    is not Intel's (MKL dispatches its AVX-512 kernels on Intel CPUs only).  There oneDNN's products
+    on transposed rows win despite the transposed copy; on Intel CPUs MKL reading the rows in place
+    does, and on AVX2-only CPUs the two multiply equally fast (`avx512`)."""
+    if not avx512():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        vendor = ""
+    return vendor != "GenuineIntel"
+
+
 def mm_bf16(a: torch.Tensor, b: torch.Tensor, out_dtype: bool = False) -> torch.Tensor:
     """a b in float32 for bfloat16 a (i, k), b (k, j): every product exact (8-bit significands),
     accumulated in float32.  `out_dtype` (a GPU where `mm_out_dtype` said yes): one tensor-core GEMM

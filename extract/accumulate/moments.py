@@ -13,7 +13,7 @@ import torch
 from common.errors import UserError
 
 from .background import SideStream, Worker, cpu_plan
-from .matmul import ONEDNN, add_gram_upper, avx512, mm_bf16, mm_out_dtype
+from .matmul import ONEDNN, add_gram_upper, mkl_skips_avx512, mm_bf16, mm_out_dtype
 from .paths import slow_path
 
 PRECISIONS = ("float32", "float64", "bfloat16")  # of the moments' per-batch products
@@ -39,9 +39,10 @@ class Moments:
     so the stored sums mean the same whatever the precision (the error against float64:
     docs/views-guide.md, precision).
     On a CPU the float32 products are taken over chunks of ≤ CHUNK rows, each chunk's products folded
-    into the float64 sums: on an AVX-512 x86-64 CPU through oneDNN (`onednn_nt`) on the rows
-    transposed ((d, rows) each; a chunk's row sums give Σh cheaper than column sums), on others
-    through torch (MKL) on the rows as they are; elsewhere through torch, one product per batch.
+    into the float64 sums: on an AVX-512 x86-64 CPU that MKL would run at AVX2 (AMD's) through oneDNN
+    (`onednn_nt`) on the rows transposed ((d, rows) each), on others through torch (MKL) on the rows
+    as they are, centred as they are copied where the caller gives Σh; elsewhere through torch, one
+    product per batch.
 
     On a CPU (`background`, the default there) all of a batch's work — counts, Σh, the shift, the
     products — is queued to one low-priority thread (`Worker`) and done in the same order as
@@ -74,8 +75,9 @@ class Moments:
         self._prev: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[precision]
         # float32 on a CPU: products of ≤ CHUNK-row chunks, through oneDNN on transposed rows where
-        # the CPU has AVX-512 (MKL runs only its AVX2 kernels on AMD), else MKL on the rows as they are
-        self._nt = ONEDNN if self._shifted and dev.type == "cpu" and avx512() else None
+        # the CPU has AVX-512 and MKL would not use it (`mkl_skips_avx512`: MKL runs only its AVX2
+        # kernels on AMD), else MKL on the rows as they are (no transposed copy)
+        self._nt = ONEDNN if self._shifted and dev.type == "cpu" and mkl_skips_avx512() else None
         self._chunked = self._shifted and dev.type == "cpu"
         self._bufs = [torch.empty(0, dtype=self._dtype, device=dev) for _ in range(2)]  # layers alternate
         self._split_bufs = [torch.empty(0, 0, dtype=torch.bfloat16, device=dev) for _ in range(2)]  # hi | lo
@@ -133,9 +135,9 @@ class Moments:
         """h: (M, d) raw vectors of the batch's counted positions, rows that are not ok zeroed;
         ok: (M,) bool.  The caller must not modify h or ok afterwards (a thread may read them later).
         s: (d,) float64 Σh and n: () ok.sum() of these rows where the caller has them already (the
-        compiled token-sum step): the bf16 path then does not read the rows again for them (float64
-        sums of bf16 values: the same numbers wherever float64 holds them exactly, i.e. unless the
-        rows' exponents span more than ~40 bits)."""
+        token sums' per-window Σh, summed): then no path reads the rows again for them (float64 sums
+        of the same values in another order: equal to ~1e-16 relative, exactly where float64 holds
+        every partial sum, i.e. unless the rows' exponents span more than ~40 bits)."""
         if self._bf16 and h.dtype != torch.bfloat16:
             raise UserError(f"--moments-precision bfloat16 needs bfloat16 hidden states; layer {layer}'s are "
                             f"{str(h.dtype).removeprefix('torch.')}: use --moments-precision float32")
@@ -147,7 +149,7 @@ class Moments:
                 slow_path(self.paths, "moments", "bfloat16 (float32 products: no mm out_dtype)",
                           f"--moments-precision bfloat16: this torch {torch.__version__} has no torch.mm(..., "
                           f"out_dtype=float32) on {h.device}; the products run in float32 (~10x slower)")
-        given = (s.to(dev), n.to(dev)) if s is not None and n is not None and self._bf16 else None
+        given = (s.to(dev), n.to(dev)) if s is not None and n is not None else None
         if self._worker is None:
             self._add(layer, h, ok, given)
         else:  # h and ok are this batch's own tensors: nothing else writes them
@@ -156,7 +158,7 @@ class Moments:
     def _add(self, layer: int, h: torch.Tensor, ok: torch.Tensor, given=None) -> None:
         if self._bf16:
             return self._add_bf16(layer, h, ok, given)
-        n = ok.sum()
+        s, n = given if given is not None else (None, ok.sum())
         self._n[layer] += n
         M, d = h.shape
         self._rows[layer] += M
@@ -168,18 +170,28 @@ class Moments:
         T = self._nt is not None
         step = self.CHUNK if self._chunked else max(M, 1)
         x = []
-        s = torch.zeros(d, dtype=torch.float64, device=h.device)
+        summed = s is None  # else Σh from the caller: no float64 copy of each chunk for its sum
+        if summed:
+            s = torch.zeros(d, dtype=torch.float64, device=h.device)
+        elif self._shifted and not self._c_set[layer]:
+            self._centre(layer, s, n)
+        # centred as they are copied where Σh is known and the rows are not transposed (one pass over
+        # them; a transposed read is faster as a plain copy): the same float32 h − c either way
+        centre = self._shifted and not summed and not T
         for a in range(0, M, step):
             b = min(a + step, M)
             xc = buf[a * d: b * d].view((d, b - a) if T else (b - a, d))
-            xc.copy_(h[a:b].T if T else h[a:b])  # exact (float32/bf16 into float32, anything into float64)
-            s += xc.sum(1 if T else 0, dtype=torch.float64)  # Σh, float64 accumulation
+            if centre:
+                torch.sub(h[a:b], self._c[layer], out=xc)
+            else:
+                xc.copy_(h[a:b].T if T else h[a:b])  # exact (float32/bf16 into float32, anything into float64)
+            if summed:
+                s += xc.sum(1 if T else 0, dtype=torch.float64)  # Σh, float64 accumulation
             x.append(xc)
         self._s1[layer] += s
-        if self._shifted:
-            if not self._c_set[layer]:  # the first batch's mean, on the device (no sync)
-                self._c[layer] = (s / n.clamp(min=1)).float()
-                self._c_set[layer] = True
+        if self._shifted and not centre:
+            if not self._c_set[layer]:
+                self._centre(layer, s, n)
             c = self._c[layer].unsqueeze(1) if T else self._c[layer]
             for xc in x:
                 xc.sub_(c)  # h − c in float32
@@ -203,6 +215,11 @@ class Moments:
             add_gram_upper(S, block, 2 if self._chunked else 4)
             if px is not None:  # Σ (h_l − c_l)(h_{l+1} − c_{l+1})ᵀ
                 self._cross[layer - 1] += self._nt(px[i], xc) if T else (px[i].T @ xc).to(torch.float64)
+
+    def _centre(self, layer: int, s: torch.Tensor, n: torch.Tensor) -> None:
+        """A layer's centre for the float32 products: its first batch's mean, on the device (no sync)."""
+        self._c[layer] = (s / n.clamp(min=1)).float()
+        self._c_set[layer] = True
 
     def _add_bf16(self, layer: int, h: torch.Tensor, ok: torch.Tensor, given=None) -> None:
         """precision "bfloat16": products of bf16 rows, every one exact in float32; float32

@@ -325,14 +325,14 @@ class TokenSums:
             h = h.masked_fill(~ok.unsqueeze(1), 0)
             inv = torch.where(ok, inv, 0.0)
             norm = torch.where(ok, norm, 0.0)
-        if self.moments is not None:
-            self.moments.add(layer, h, ok)
         x = h * inv.unsqueeze(1)  # (M, d) float64 û (type promotion: exact upcast, float64 product)
         prev = self._prev_rows(layer, sel)
         if prev is not None:
             self._add_change(layer - 1, *change_sums(*change_norms(prev[0], prev[1], x), ok & (prev[1] > 0)))
         self._keep(layer, h, inv)
         m, u = window_sums(h, norm, x, counts, win, n_win, cols)
+        if self.moments is not None:  # Σh from the window sums, as on the CPU path
+            self.moments.add(layer, h, ok, s=m.sum(0), n=ok.sum())
         self._window_stats(layer, m, u, n_w, (x * x).sum(0))
         if uniq is None:
             self.sums[layer].index_add_(0, index, x)
@@ -488,8 +488,8 @@ class TokenSums:
         self._keep(layer, h, inv)
         self.counts[layer].index_add_(0, index, counts)
         self._window_stats(layer, m, u, n_w, u2)
-        if self.moments is not None:
-            self.moments.add(layer, h, ok)
+        if self.moments is not None:  # Σh from the window sums: the moments need not sum the rows again
+            self.moments.add(layer, h, ok, s=m.sum(0), n=ok.sum())
         if self.extra is not None:
             if terms is not None:  # (M,) each, the chunks' pieces joined
                 terms = tuple(torch.cat(t) for t in zip(*terms))
