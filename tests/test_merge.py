@@ -430,6 +430,21 @@ def test_concurrent_commits_without_a_lock(tmp_path):
     assert validate(root) == []
 
 
+def test_a_first_commit_landing_between_the_listing_and_the_manifest_read_is_read(tmp_path, monkeypatch):
+    """A reader lists an empty log, then the first commit's record and manifest.json land before it looks
+    for manifest.json (the race of the test above, made certain): it reads that commit, not a lost log."""
+    root = tmp_path / "wh"
+    entry = _commit_one((str(root), "s0", "1-of-1", 7))
+    real, calls = store_log.latest_seqs, []
+    monkeypatch.setattr(store_log, "latest_seqs", lambda *a, **k: [] if not calls.append(1) and len(calls) == 1
+                        else real(*a, **k))  # the first listing: before the record landed
+    seq, manifest = store_log.read_state(root)
+    assert (seq, len(calls)) == (1, 2) and entry["key"] in manifest["entries"]
+    shutil.rmtree(root / "_log")  # a log really lost: still an error that says so
+    with pytest.raises(UserError, match="lost; restore it from a backup"):
+        store_log.read_state(root)
+
+
 def test_views_refuse_a_manifest_whose_merged_tables_are_stale(tmp_path):
     """A merged entry that holds a partial the manifest no longer lists (a hand-edited manifest, a
     warehouse restored in parts) is stale: views refuse it, validate --fix re-merges."""

@@ -165,22 +165,28 @@ def read_state(root, ahead_ok: bool = False) -> tuple[int, Manifest]:
     with the later records' changes applied.  `ahead_ok`: companions ahead of the log are ignored
     (validate --fix, to rebuild them)."""
     st = open_storage(root)
-    seqs = latest_seqs(st, ahead_ok=ahead_ok)
-    if not seqs:
+    for attempt in range(3):
+        seqs = latest_seqs(st, ahead_ok=ahead_ok)
+        if seqs:
+            return seqs[-1], _state(st, seqs)
         legacy = st.display(MANIFEST)
-        if st.exists(MANIFEST):  # a warehouse of an earlier version: no commit log, only manifest.json
-            try:
-                manifest = json.loads(st.read_bytes(MANIFEST))
-            except (OSError, ValueError) as e:
-                raise UserError(f"{legacy}: unreadable manifest ({e})") from None
-            _check_version(manifest, legacy)
-            if isinstance(manifest, dict) and manifest.get("generation"):
-                raise UserError(f"{st.display(LOG_DIR)}: commit log missing or empty but {MANIFEST} was written from "
-                                f"generation {manifest['generation']}: the log was lost; {RESTORE_HINT}")
-            raise UserError(f"{legacy}: warehouse without a commit log (written by an earlier version); "
-                            "use another --warehouse")
-        return 0, _empty()
-    return seqs[-1], _state(st, seqs)
+        if not st.exists(MANIFEST):
+            return 0, _empty()
+        # manifest.json without a record: a warehouse of an earlier version (no commit log), a lost log, or
+        # the first commit's record and companions landing between the listing above and this read
+        try:
+            manifest = json.loads(st.read_bytes(MANIFEST))
+        except (OSError, ValueError) as e:
+            raise UserError(f"{legacy}: unreadable manifest ({e})") from None
+        if attempt < 2 and record_seqs(st):
+            continue  # a writer committed meanwhile: read its state
+        _check_version(manifest, legacy)
+        if isinstance(manifest, dict) and manifest.get("generation"):
+            raise UserError(f"{st.display(LOG_DIR)}: commit log missing or empty but {MANIFEST} was written from "
+                            f"generation {manifest['generation']}: the log was lost; {RESTORE_HINT}")
+        raise UserError(f"{legacy}: warehouse without a commit log (written by an earlier version); "
+                        "use another --warehouse")
+    raise AssertionError("unreachable")
 
 
 def _state(st: Storage, seqs: list[int]) -> Manifest:
