@@ -7,7 +7,9 @@ import contextlib
 import gc
 import os
 import resource
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,8 +22,6 @@ def _temporary_files_in_memory() -> None:
     """Temporary files (pytest's tmp_path, tempfile, the children's) on tmpfs where the machine has one with
     room: every commit fsyncs its files, which costs a disk write each and next to nothing in memory (an
     extract commits ~40).  ISO_TEST_TMPDIR chooses the directory; ISO_TEST_TMPDIR= (empty) keeps TMPDIR."""
-    import tempfile
-
     chosen = os.environ.get("ISO_TEST_TMPDIR")
     if chosen is None:
         try:
@@ -50,12 +50,17 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Plain progress lines (stderr is no terminal under pytest) only when a test asks: a test that counts
 # stderr's lines (one `error:` line) must not see a 10 % line of a slow machine (tests/test_progress.py).
 os.environ.setdefault("ISO_PROGRESS_INTERVAL", "3600")
-os.environ.setdefault("ISO_PARAMS_CACHE", "off")
+# The partition-function tables (V·d² float64 work per matrix each) cached per checkpoint for the whole run, in a
+# directory the xdist workers inherit: each distinct model's is computed once (test_extract.py checks the cache,
+# and `off`, on their own).
+_PARAMS_CACHE = None if "ISO_PARAMS_CACHE" in os.environ else tempfile.mkdtemp(prefix="iso-params-")
+if _PARAMS_CACHE:
+    os.environ["ISO_PARAMS_CACHE"] = _PARAMS_CACHE
 if "TRITON_INTERPRET" not in os.environ:  # the Triton kernels (extract/accumulate/fused.py) in Triton's
     import torch  # interpreter where there is no GPU to compile them for (read when Triton is imported)
 
     if not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"  # no cache of parameter tables in ~/.cache (its own test sets one)
+        os.environ["TRITON_INTERPRET"] = "1"
 # Under pytest-xdist the workers already fill the cores: each worker (and every process it starts)
 # gets cores ÷ workers intra-op threads, instead of each worker's OpenMP pool spinning on every core
 # (on 2 cores with -n 2: the suite 11 m → 9 m).  Set OMP_NUM_THREADS to choose otherwise.
@@ -163,6 +168,8 @@ def _scalar_cpu_kernels() -> None:
 
 def pytest_sessionfinish(session):
     zygote.SERVER.stop()
+    if _PARAMS_CACHE:  # (only the process that made it: the controller, or the one process without xdist)
+        shutil.rmtree(_PARAMS_CACHE, ignore_errors=True)
 
 
 _CPU_LOG = os.environ.get("ISO_TEST_CPU_LOG")  # a file: each test's worker, wall and CPU seconds (this process,

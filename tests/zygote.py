@@ -157,10 +157,11 @@ def forkable(argv: list[str] | None, env: dict) -> bool:
         all(p in sys.path or p == "" for p in env.get("PYTHONPATH", "").split(os.pathsep))
 
 
-def _connect(path: str, argv: list[str], env: dict, cwd: str, fds: list[int]) -> tuple[socket.socket, int]:
+def _connect(path: str, argv: list[str], env: dict, cwd: str, fds: list[int],
+             modules: tuple[str, ...] = ()) -> tuple[socket.socket, int]:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
-    body = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+    body = json.dumps({"argv": argv, "env": env, "cwd": cwd, "modules": list(modules)}).encode()
     socket.send_fds(conn, [struct.pack("!I", len(body))], fds)
     conn.sendall(body)
     reply = b""
@@ -179,10 +180,11 @@ class Popen:
     same arguments (stdin/stdout/stderr: None, PIPE, DEVNULL, a file or a descriptor; text; env; cwd),
     the same pid, poll/wait/communicate/send_signal/terminate/kill and returncode (-N: killed by
     signal N).  Output asked for with PIPE goes through temporary files, read by communicate().
-    Anything else runs in a real interpreter (`self.forked` False)."""
+    Anything else runs in a real interpreter (`self.forked` False).  `modules`: imported by the server
+    (once, kept there) before it forks this child, which then finds them imported."""
 
     def __init__(self, cmd, stdin=None, stdout=None, stderr=None, text=False, env=None, cwd=None,
-                 universal_newlines=None, **kw):
+                 universal_newlines=None, modules: tuple[str, ...] = (), **kw):
         env = dict(os.environ if env is None else env)
         argv = _resolve_argv(cmd)
         text = bool(text or universal_newlines)
@@ -217,7 +219,7 @@ class Popen:
         fds = [fd_for(stdin, 0, "rb"), fd_for(stdout, 1, "wb"), fd_for(stderr, 2, "wb")]
         if fds[2] == "stdout":
             fds[2] = fds[1]
-        self._conn, self.pid = _connect(path, argv, env, os.fspath(cwd or os.getcwd()), fds)
+        self._conn, self.pid = _connect(path, argv, env, os.fspath(cwd or os.getcwd()), fds, modules)
         for f in opened:
             if f not in self._files.values():
                 f.close()
@@ -331,7 +333,8 @@ def call_all(calls, processes: int | None = None, timeout: float = 600) -> list:
                 i, (fn, args) = todo.pop(0)
                 (tmp / f"{i}.in").write_bytes(pickle.dumps((fn, tuple(args))))
                 running[i] = Popen([sys.executable, str(SERVER_SCRIPT), "--call", str(tmp / f"{i}.in"),
-                                    str(tmp / f"{i}.out")], stderr=subprocess.PIPE, cwd=ROOT)
+                                    str(tmp / f"{i}.out")], stderr=subprocess.PIPE, cwd=ROOT,
+                                   modules=(fn.__module__,))  # (the function's module: imported once)
             for i, p in list(running.items()):
                 if p.poll() is not None:
                     _, err = p.communicate()

@@ -20,6 +20,7 @@ import signal
 import socket
 import struct
 import sys
+import weakref
 from pathlib import Path
 
 # The server imports with one intra-op thread (an import that runs a torch op would otherwise start OpenMP's
@@ -33,7 +34,8 @@ PRELOAD = ("cli", "isotropy_warehouse.cli", "isotropy_warehouse.extract_options"
            "transformers", "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
            "transformers.models.gpt_neox.modeling_gpt_neox", "transformers.models.llama.modeling_llama",
            "transformers.tokenization_utils_fast", "safetensors.torch", "tokenizers", "pyarrow.parquet",
-           "pyarrow.dataset", "duckdb", "boto3", "botocore.session", "botocore.client", "zstandard")
+           "pyarrow.dataset", "duckdb", "boto3", "botocore.session", "botocore.client", "zstandard",
+           "typer._adapters")  # (typer's option coercion: imported when a command first runs)
 
 # Threads the imports start that survive a fork by design: jemalloc's background purger (pyarrow's bundled
 # jemalloc; its pthread_atfork handlers reset it in the child) and pyarrow's thread pool (re-created
@@ -54,7 +56,19 @@ def preload(quiet: bool = False) -> None:
         except Exception as e:  # a module this checkout lacks: imported when used (slower, still right)
             if not quiet:
                 print(f"zygote: preload {name}: {type(e).__name__}: {e}", file=sys.stderr)
+    try:  # transformers builds its table of checkpoint conversions at a process's first from_pretrained
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        get_checkpoint_conversion_mapping("gpt_neox")
+    except Exception:
+        pass
     gc.collect()
+    # A forked child need not take down, one by one at its exit, the operator libraries (torch.library) the
+    # imports registered: their finalizers stay out of its exit.  (weakref.finalize keeps
+    # its instances in a registry only; they are not objects the garbage collector lists.)
+    for fin, info in list(weakref.finalize._registry.items()):
+        if getattr(info.func, "__name__", "") == "_del_library":
+            fin.atexit = False
     gc.freeze()
 
 
@@ -149,6 +163,7 @@ def serve(path: str) -> None:
             except (EOFError, OSError, ValueError):
                 conn.close()
                 continue
+            _import(request.get("modules", ()))
             pid = os.fork()
             if pid == 0:
                 _child(request, fds, close=[listener.fileno(), wake_r, wake_w, conn.fileno(),
@@ -163,6 +178,20 @@ def serve(path: str) -> None:
                 continue
             by_pid[pid] = conn
             by_conn[conn] = pid
+
+
+def _import(modules) -> None:
+    """Import a request's modules here, once (the module of a call_all function: a test module), so that
+    this child and the next find them imported; one that fails to import is left to the child (its
+    error goes to its caller)."""
+    import importlib
+
+    for name in modules:
+        if name not in sys.modules:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                sys.modules.pop(name, None)
 
 
 def _kill(pid: int) -> None:
