@@ -184,14 +184,18 @@ def _import(modules) -> None:
     """Import a request's modules here, once (the module of a call_all function: a test module), so that
     this child and the next find them imported; one that fails to import is left to the child (its
     error goes to its caller)."""
+    import gc
     import importlib
 
-    for name in modules:
-        if name not in sys.modules:
-            try:
-                importlib.import_module(name)
-            except Exception:
-                sys.modules.pop(name, None)
+    new = [name for name in modules if name not in sys.modules]
+    for name in new:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            sys.modules.pop(name, None)
+    if new:  # as preload: what they made, out of the children's garbage collections
+        gc.collect()
+        gc.freeze()
 
 
 def _kill(pid: int) -> None:
