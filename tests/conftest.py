@@ -3,6 +3,7 @@ for command-line children (tests/zygote.py).  How to write a fast test: tests/RE
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import os
@@ -56,8 +57,17 @@ os.environ.setdefault("ISO_PROGRESS_INTERVAL", "3600")
 _PARAMS_CACHE = None if "ISO_PARAMS_CACHE" in os.environ else tempfile.mkdtemp(prefix="iso-params-")
 if _PARAMS_CACHE:
     os.environ["ISO_PARAMS_CACHE"] = _PARAMS_CACHE
-if "TRITON_INTERPRET" not in os.environ:  # the Triton kernels (extract/accumulate/fused.py) in Triton's
-    import torch  # interpreter where there is no GPU to compile them for (read when Triton is imported)
+
+    @atexit.register
+    def _remove_params_cache(maker: int = os.getpid()) -> None:  # (also where no session runs: --help)
+        if os.getpid() == maker:  # (not in a child this process forked)
+            shutil.rmtree(_PARAMS_CACHE, ignore_errors=True)
+
+# (Not in the fork server, which imports a test module, and so this file, for call_all: probing CUDA there would
+# initialise the driver in a process that forks.)
+if "TRITON_INTERPRET" not in os.environ and "ISO_TEST_ZYGOTE_THREADS" not in os.environ:
+    import torch  # the Triton kernels (extract/accumulate/fused.py) in Triton's interpreter where there is no
+    # GPU to compile them for (read when Triton is imported)
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
@@ -168,8 +178,6 @@ def _scalar_cpu_kernels() -> None:
 
 def pytest_sessionfinish(session):
     zygote.SERVER.stop()
-    if _PARAMS_CACHE:  # (only the process that made it: the controller, or the one process without xdist)
-        shutil.rmtree(_PARAMS_CACHE, ignore_errors=True)
 
 
 _CPU_LOG = os.environ.get("ISO_TEST_CPU_LOG")  # a file: each test's worker, wall and CPU seconds (this process,

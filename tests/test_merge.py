@@ -16,7 +16,7 @@ import pytest
 
 from common.errors import UserError
 from conftest import ROOT, call_all, run_cli
-from warehouse import merge, store
+from warehouse import merge, schema, store
 from warehouse.merge import commits, fold_tokens
 from warehouse.merge import fold as fold_module
 from warehouse.store import log as store_log
@@ -443,6 +443,11 @@ def test_a_first_commit_landing_between_the_listing_and_the_manifest_read_is_rea
     shutil.rmtree(root / "_log")  # a log really lost: still an error that says so
     with pytest.raises(UserError, match="lost; restore it from a backup"):
         store_log.read_state(root)
+    legacy = tmp_path / "legacy"  # manifest.json alone, no generation: an earlier version's warehouse
+    legacy.mkdir()
+    (legacy / "manifest.json").write_text(json.dumps({"schema_version": schema.SCHEMA_VERSION, "entries": {}}))
+    with pytest.raises(UserError, match="without a commit log .written by an earlier version"):
+        store_log.read_state(legacy)
 
 
 def test_views_refuse_a_manifest_whose_merged_tables_are_stale(tmp_path):

@@ -188,11 +188,15 @@ def _import(modules) -> None:
     import importlib
 
     new = [name for name in modules if name not in sys.modules]
+    path = list(sys.path)  # (a test module adds its folders: not for the later children)
     for name in new:
         try:
             importlib.import_module(name)
-        except Exception:
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # (a skip or exit at import too)
             sys.modules.pop(name, None)
+    sys.path[:] = path
     if new:  # as preload: what they made, out of the children's garbage collections
         gc.collect()
         gc.freeze()
