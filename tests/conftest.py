@@ -63,24 +63,25 @@ if _PARAMS_CACHE:
         if os.getpid() == maker:  # (not in a child this process forked)
             shutil.rmtree(_PARAMS_CACHE, ignore_errors=True)
 
+import zygote_server  # noqa: E402  (it imports only the standard library)
+
 # (Not in the fork server, which imports a test module, and so this file, for call_all: probing CUDA there would
 # initialise the driver in a process that forks.)
-if "TRITON_INTERPRET" not in os.environ and "ISO_TEST_ZYGOTE_THREADS" not in os.environ:
+if "TRITON_INTERPRET" not in os.environ and zygote_server.ENV_THREADS not in os.environ:
     import torch  # the Triton kernels (extract/accumulate/fused.py) in Triton's interpreter where there is no
     # GPU to compile them for (read when Triton is imported)
 
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 # Under pytest-xdist the workers already fill the cores: each worker (and every process it starts)
-# gets cores ÷ workers intra-op threads, instead of each worker's OpenMP pool spinning on every core
-# (on 2 cores with -n 2: the suite 11 m → 9 m).  Set OMP_NUM_THREADS to choose otherwise.
+# gets cores ÷ workers intra-op threads, instead of each worker's OpenMP pool spinning on every core.
+# Set OMP_NUM_THREADS to choose otherwise.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 import tiny  # noqa: E402
 import zygote  # noqa: E402
-import zygote_server  # noqa: E402
 
 # `python cli.py …` in a child process, forked from a server that has imported everything (subprocess's
 # interface; see tests/zygote.py).  Use them instead of subprocess for the command line.

@@ -436,8 +436,12 @@ def test_a_first_commit_landing_between_the_listing_and_the_manifest_read_is_rea
     root = tmp_path / "wh"
     entry = _commit_one((str(root), "s0", "1-of-1", 7))
     real, calls = store_log.latest_seqs, []
-    monkeypatch.setattr(store_log, "latest_seqs", lambda *a, **k: [] if not calls.append(1) and len(calls) == 1
-                        else real(*a, **k))  # the first listing: before the record landed
+
+    def listing(*args, **kwargs):  # the first listing: before the record landed
+        calls.append(1)
+        return [] if len(calls) == 1 else real(*args, **kwargs)
+
+    monkeypatch.setattr(store_log, "latest_seqs", listing)
     seq, manifest = store_log.read_state(root)
     assert (seq, len(calls)) == (1, 2) and entry["key"] in manifest["entries"]
     shutil.rmtree(root / "_log")  # a log really lost: still an error that says so

@@ -165,28 +165,26 @@ def read_state(root, ahead_ok: bool = False) -> tuple[int, Manifest]:
     with the later records' changes applied.  `ahead_ok`: companions ahead of the log are ignored
     (validate --fix, to rebuild them)."""
     st = open_storage(root)
-    for attempt in range(3):
-        seqs = latest_seqs(st, ahead_ok=ahead_ok)
-        if seqs:
-            return seqs[-1], _state(st, seqs)
-        legacy = st.display(MANIFEST)
+    seqs = latest_seqs(st, ahead_ok=ahead_ok)
+    if not seqs:
         if not st.exists(MANIFEST):
             return 0, _empty()
-        # manifest.json without a record: a warehouse of an earlier version (no commit log), a lost log, or
-        # the first commit's record and companions landing between the listing above and this read
+        # manifest.json without a record: an earlier version's warehouse or a lost log — or the first commit's
+        # record and manifest.json landed after the listing, which a second listing sees
+        seqs = latest_seqs(st, ahead_ok=ahead_ok)
+    if not seqs:
+        legacy = st.display(MANIFEST)
         try:
             manifest = json.loads(st.read_bytes(MANIFEST))
         except (OSError, ValueError) as e:
             raise UserError(f"{legacy}: unreadable manifest ({e})") from None
-        if attempt < 2 and record_seqs(st):
-            continue  # a writer committed meanwhile: read its state
         _check_version(manifest, legacy)
         if isinstance(manifest, dict) and manifest.get("generation"):
             raise UserError(f"{st.display(LOG_DIR)}: commit log missing or empty but {MANIFEST} was written from "
                             f"generation {manifest['generation']}: the log was lost; {RESTORE_HINT}")
         raise UserError(f"{legacy}: warehouse without a commit log (written by an earlier version); "
                         "use another --warehouse")
-    raise AssertionError("unreachable")
+    return seqs[-1], _state(st, seqs)
 
 
 def _state(st: Storage, seqs: list[int]) -> Manifest:
