@@ -1,6 +1,6 @@
 """Benchmark: how far the bf16 moments' covariance can be off whatever float32 GEMM a machine has.
 The rows of tests/test_triton.py's massive-dimension layer (d 512, 4,096 rows = one product of
-`Moments.CHUNK_BF16`), raw and centred-and-split (forced either way), through this machine's GEMM (the code's own path)
+`Moments.CHUNK_BF16`; the massive dimension's Σ h₀² halfway between two float32 numbers), raw and centred-and-split (forced either way), through this machine's GEMM (the code's own path)
 and through a float32 sum taken one row after another (the worst usual order: no blocking), each
 against float64 products of the same bf16 rows; errors relative to the largest covariance entry.
 
@@ -32,12 +32,15 @@ def row_by_row(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def main() -> None:
     d, rows = 512, 4096
     g = torch.Generator().manual_seed(7)
-    sig = torch.logspace(0, -1, d, dtype=torch.float64)
+    sig = torch.logspace(0, -0.12, d, dtype=torch.float64)
+    k = 136 + torch.arange(rows) % 27 - 13  # the massive dimension's values k/8 (mean 17), as in the test
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, d {d}, {rows} rows per product")
-    for big in (9.0, 0.0):
-        mu = torch.randn(d, generator=g, dtype=torch.float64) * 0.3 * sig
-        mu[0] = big
+    for big in (17.0, 0.0):
+        mu = torch.randn(d, generator=g, dtype=torch.float64) * 0.1 * sig
+        mu[0] = 0.0
         h = (mu + torch.randn(rows, d, generator=g, dtype=torch.float64) * sig).bfloat16()  # (rows, d)
+        if big:
+            h[:, 0] = k / 8
         ok = torch.ones(rows, dtype=torch.bool)
         exact = Moments(1, d, "cpu", cross=False, precision="float64", background=False)
         exact.add(0, h, ok)
