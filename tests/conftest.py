@@ -158,7 +158,7 @@ def pytest_collection_finish(session):
 
 
 def _scalar_cpu_kernels() -> None:
-    """Inductor's C++ kernels without SIMD or a precompiled header in the test processes.  The tests
+    """Inductor's C++ kernels without SIMD in the test processes, on a precompiled header.  The tests
     compile the GPU path's steps (kernels.py, qk_kernels.py) on the CPU to check their graphs — sums equal
     to the eager path's, no recompile — which the C++ kernels' vectorisation does not change; scalar C++
     builds faster (each distinct graph is built once per run, from a cold cache in CI)."""
@@ -166,9 +166,9 @@ def _scalar_cpu_kernels() -> None:
         import torch._inductor.config as inductor
 
         inductor.cpp.simdlen = 1
-        # Nor a precompiled header: building it costs g++ more than it saves over the few graphs a run builds
-        # (each kernel's build parses torch's headers either way, and here took longer with it).
-        inductor.cpp_cache_precompile_headers = False
+        # torch's headers precompiled once per run (inductor's default; it hashes them with the `openssl`
+        # command): each kernel's build then skips parsing them, most of its g++ time.
+        inductor.cpp_cache_precompile_headers = shutil.which("openssl") is not None
         # No SIMD ISA is 1 element wide, so inductor picks none whatever ISAs the CPU has; finding them
         # costs a probe build per ISA (g++ with torch's headers), which would then decide nothing.
         from torch._inductor import cpu_vec_isa
