@@ -66,9 +66,9 @@ def test_a_massive_dimension_centres_a_layer_whose_trace_ratio_is_small():
     dimension's values are chosen on bf16's grid (k/8, mean 17) so that their exact Σ h₀², one entry
     of the raw rows' product, lies halfway between two float32 numbers; whatever order the GEMM sums
     in, its float32 result is at least half an ulp (2⁻⁴ here) off, 1.5e-5 of the largest entry once
-    divided by n.  The split rows' error does not grow with the mean: 9.7e-6 summed one row after
-    another in float32 (the worst usual order), 4.9e-7 through a blocked GEMM (AMD EPYC, AVX-512-BF16) —
-    bench/results/2026-11-29-bf16-split-bound-by-summation-order.txt."""
+    divided by n.  The split rows' error does not grow with the mean: 4.9e-7 through a blocked GEMM
+    (AMD EPYC, AVX-512-BF16; every GEMM does block), 9.7e-6 summed one row after another in float32 —
+    within the 1e-5, not 4× under the floor — bench/results/2026-11-29-bf16-split-bound-by-summation-order.txt."""
     d, rows = 512, 4096
     g = torch.Generator().manual_seed(7)
     sig = torch.logspace(0, -0.12, d, dtype=torch.float64)  # tr C ≈ 390: ‖μ‖²/tr C < 1 with μ₀ = 17
