@@ -1,8 +1,9 @@
 """Benchmark: how far the bf16 moments' covariance can be off whatever float32 GEMM a machine has.
 The rows of tests/test_triton.py's massive-dimension layer (d 512, 4,096 rows = one product of
-`Moments.CHUNK_BF16`; the massive dimension's Σ h₀² halfway between two float32 numbers), raw and centred-and-split (forced either way), through this machine's GEMM (the code's own path)
-and through a float32 sum taken one row after another (the worst usual order: no blocking), each
-against float64 products of the same bf16 rows; errors relative to the largest covariance entry.
+`Moments.CHUNK_BF16`; the massive dimension's Σ h₀² halfway between two float32 numbers), raw and
+centred-and-split (forced either way), through this machine's GEMM (the code's own path) and through a
+float32 sum taken one row after another (the worst usual order: no blocking), each against float64
+products of the same bf16 rows; errors relative to the largest covariance entry.
 
     python bench/bench_bf16_summation_order.py
 """
