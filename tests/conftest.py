@@ -63,6 +63,17 @@ if _PARAMS_CACHE:
         if os.getpid() == maker:  # (not in a child this process forked)
             shutil.rmtree(_PARAMS_CACHE, ignore_errors=True)
 
+# Inductor's precompiled header of torch's headers (`_scalar_cpu_kernels`) in a directory of the run's own, which
+# the xdist workers inherit: built once per run, and never read from a run that was killed while it was written.
+_HEADERS = None if "ISO_TEST_HEADERS" in os.environ else tempfile.mkdtemp(prefix="iso-headers-")
+if _HEADERS:
+    os.environ["ISO_TEST_HEADERS"] = _HEADERS
+
+    @atexit.register
+    def _remove_headers(maker: int = os.getpid()) -> None:
+        if os.getpid() == maker:
+            shutil.rmtree(_HEADERS, ignore_errors=True)
+
 import zygote_server  # noqa: E402  (it imports only the standard library)
 
 # (Not in the fork server, which imports a test module, and so this file, for call_all: probing CUDA there would
@@ -167,8 +178,17 @@ def _scalar_cpu_kernels() -> None:
 
         inductor.cpp.simdlen = 1
         # torch's headers precompiled once per run (inductor's default; it hashes them with the `openssl`
-        # command): each kernel's build then skips parsing them, most of its g++ time.
-        inductor.cpp_cache_precompile_headers = shutil.which("openssl") is not None
+        # command): each kernel's build then skips parsing them, most of its g++ time.  Inductor keeps the
+        # header in one directory for every run and checks only that it exists, so a run killed while g++
+        # wrote it would leave every later run's kernels failing: here the run's own directory instead.
+        from torch._inductor import codecache
+
+        headers = os.environ.get("ISO_TEST_HEADERS", "")
+        ours = bool(headers) and hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR")
+        if ours:
+            codecache._HEADER_DIR = headers
+            codecache._HEADER_LOCK_DIR = os.path.join(headers, "locks")
+        inductor.cpp_cache_precompile_headers = ours and shutil.which("openssl") is not None
         # No SIMD ISA is 1 element wide, so inductor picks none whatever ISAs the CPU has; finding them
         # costs a probe build per ISA (g++ with torch's headers), which would then decide nothing.
         from torch._inductor import cpu_vec_isa
