@@ -51,28 +51,28 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Plain progress lines (stderr is no terminal under pytest) only when a test asks: a test that counts
 # stderr's lines (one `error:` line) must not see a 10 % line of a slow machine (tests/test_progress.py).
 os.environ.setdefault("ISO_PROGRESS_INTERVAL", "3600")
-# The partition-function tables (V·d² float64 work per matrix each) cached per checkpoint for the whole run, in a
-# directory the xdist workers inherit: each distinct model's is computed once (test_extract.py checks the cache,
-# and `off`, on their own).
-_PARAMS_CACHE = None if "ISO_PARAMS_CACHE" in os.environ else tempfile.mkdtemp(prefix="iso-params-")
-if _PARAMS_CACHE:
-    os.environ["ISO_PARAMS_CACHE"] = _PARAMS_CACHE
+
+
+def _run_dir(variable: str, prefix: str) -> None:
+    """A directory for this test run alone, named in `variable` for every process the run starts (the
+    xdist workers, the children): made unless `variable` is set already, removed at exit by the process
+    that made it (also where no session runs: --help), not by a child it forked."""
+    if variable in os.environ:
+        return
+    path = os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
 
     @atexit.register
-    def _remove_params_cache(maker: int = os.getpid()) -> None:  # (also where no session runs: --help)
-        if os.getpid() == maker:  # (not in a child this process forked)
-            shutil.rmtree(_PARAMS_CACHE, ignore_errors=True)
-
-# Inductor's precompiled header of torch's headers (`_scalar_cpu_kernels`) in a directory of the run's own, which
-# the xdist workers inherit: built once per run, and never read from a run that was killed while it was written.
-_HEADERS = None if "ISO_TEST_HEADERS" in os.environ else tempfile.mkdtemp(prefix="iso-headers-")
-if _HEADERS:
-    os.environ["ISO_TEST_HEADERS"] = _HEADERS
-
-    @atexit.register
-    def _remove_headers(maker: int = os.getpid()) -> None:
+    def _remove(maker: int = os.getpid()) -> None:
         if os.getpid() == maker:
-            shutil.rmtree(_HEADERS, ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# The partition-function tables (V·d² float64 work per matrix each) cached per checkpoint for the whole run: each
+# distinct model's is computed once (test_extract.py checks the cache, and `off`, on their own).
+_run_dir("ISO_PARAMS_CACHE", "iso-params-")
+# Inductor's precompiled header of torch's headers (`_scalar_cpu_kernels`): built once per run, and never read
+# from a run that was killed while it was written.
+_run_dir("ISO_TEST_HEADERS", "iso-headers-")
 
 import zygote_server  # noqa: E402  (it imports only the standard library)
 

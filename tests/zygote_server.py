@@ -13,6 +13,8 @@ closes.  `python tests/zygote_server.py --call IN OUT` runs one pickled call (te
 
 from __future__ import annotations
 
+import gc
+import importlib
 import json
 import os
 import select
@@ -47,9 +49,6 @@ def preload(quiet: bool = False) -> None:
     """Import PRELOAD, then freeze every object so far out of the garbage collector's generations: a
     gc.collect() (each extract calls a few) then walks only what was made since, and a forked child
     leaves the imported objects' pages shared."""
-    import gc
-    import importlib
-
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -184,9 +183,6 @@ def _import(modules) -> None:
     """Import a request's modules here, once (the module of a call_all function: a test module), so that
     this child and the next find them imported; one that fails to import is left to the child (its
     error goes to its caller)."""
-    import gc
-    import importlib
-
     new = [name for name in modules if name not in sys.modules]
     path = list(sys.path)  # (a test module adds its folders: not for the later children)
     for name in new:
