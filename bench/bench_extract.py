@@ -24,10 +24,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.openmp import short_spin  # noqa: E402
+
+short_spin()  # as the command line does, before torch loads its OpenMP runtime
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from extract.accumulate.moments import PRECISIONS, Moments  # noqa: E402
 from bench.moments_variants import VARIANTS  # noqa: E402

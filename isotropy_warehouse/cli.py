@@ -14,6 +14,7 @@ import typer
 import typer.core
 
 from common.errors import UserError
+from common.openmp import short_spin
 
 from .extract_options import GroupedHelp, declared_options, warehouse_option
 
@@ -531,6 +532,7 @@ def _examples_as_run(program: str) -> None:
 def main() -> None:
     """Run the app; an I/O failure that no command turned into a message (a disk or a store failing
     mid-run) still ends in one line and exit code 2."""
+    short_spin()  # before anything loads torch's OpenMP runtime (common/openmp.py)
     _examples_as_run(_program())
     try:
         app()

@@ -6,12 +6,11 @@ order submitted, so the sums are added in the same order as inline — bit-ident
 * `Worker` (a CPU): one low-priority background thread with a byte-bounded queue;
 * `SideStream` (a GPU): a CUDA side stream, no host synchronisation.
 
-**The CPU's thread budget** (`cpu_plan`): the forward keeps torch's intra-op threads (one per core);
-the worker runs its products on `ISO_WORKER_THREADS` intra-op threads (default 1) at nice 19, so the
-process never runs more busy OpenMP teams than it has cores plus one idle-priority thread — a
-second team of as many threads as cores, spinning at its barriers, would take the cores the
-forward's own team waits for.  `ISO_MOMENTS_WORKER=inline|thread` overrides where the moments run
-(default: the thread).
+**Where a CPU's moments run** (`cpu_plan`, `ISO_MOMENTS_WORKER`): `crew` (the default) — on the
+crew's helper threads at each layer's hook, beside the token sums, while the forward waits (crew.py);
+`thread` — on the `Worker` at nice 19, overlapping the forward, its products on `ISO_WORKER_THREADS`
+intra-op threads (default 1), so the process never runs more busy OpenMP teams than it has cores
+plus one idle-priority thread; `inline` — on the forward's thread, after the token sums.
 """
 
 from __future__ import annotations
@@ -24,24 +23,25 @@ import torch
 
 from common.errors import UserError
 
-WORKER_ENV = "ISO_MOMENTS_WORKER"  # inline | thread: where a CPU's moments run (default: thread)
-THREADS_ENV = "ISO_WORKER_THREADS"  # intra-op threads of the worker (default 1)
+WORKER_ENV = "ISO_MOMENTS_WORKER"  # crew | thread | inline: where a CPU's moments run (default: crew)
+THREADS_ENV = "ISO_WORKER_THREADS"  # intra-op threads of the thread's worker (default 1)
+PLACES = ("crew", "thread", "inline")
 
 
-def cpu_plan(env=None) -> tuple[bool, int]:
-    """(whether a CPU's moments run on the background `Worker`, its intra-op threads), from
+def cpu_plan(env=None) -> tuple[str, int]:
+    """(where a CPU's moments run: crew, thread or inline; the thread's intra-op threads), from
     ISO_MOMENTS_WORKER and ISO_WORKER_THREADS.  A bad value is an error naming the variable."""
     env = os.environ if env is None else env
-    where = env.get(WORKER_ENV, "thread").strip().lower() or "thread"
-    if where not in ("thread", "inline"):
-        raise UserError(f"{WORKER_ENV}={env[WORKER_ENV]!r}: expected thread or inline")
+    where = env.get(WORKER_ENV, "crew").strip().lower() or "crew"
+    if where not in PLACES:
+        raise UserError(f"{WORKER_ENV}={env[WORKER_ENV]!r}: expected {', '.join(PLACES)}")
     try:
         threads = int(env.get(THREADS_ENV, "1"))
     except ValueError:
         threads = 0
     if threads < 1:
         raise UserError(f"{THREADS_ENV}={env[THREADS_ENV]!r}: expected a positive integer")
-    return where == "thread", threads
+    return where, threads
 
 
 class SideStream:

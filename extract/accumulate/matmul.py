@@ -5,7 +5,7 @@
 * float32 elsewhere on a CPU: torch (MKL) on the rows as they are (`avx512()` says which);
 * bfloat16: every product exact in float32 — one tensor-core GEMM with a float32 output where this
   torch offers `torch.mm(..., out_dtype=)` on the device (`mm_out_dtype`), else the operands upcast;
-* `add_gram_upper`: the upper triangle of xᵀx by row panels, whichever kernel makes each panel.
+* `add_gram_upper`, `panel_edges`: the upper triangle of xᵀx by row panels, whichever kernel makes each panel.
 """
 
 from __future__ import annotations
@@ -22,11 +22,16 @@ def add_gram_upper(S: torch.Tensor, block, panels: int) -> None:
     (panels + 1)/(2 · panels) of a full product's multiply-adds (3/4 for 2, 5/8 for 4; a symmetric
     rank-k update, which torch lacks, would be 1/2).  Entries below the diagonal inside a panel are
     added too and never read (`Moments.s2` takes the upper triangle)."""
-    d = S.shape[0]
+    for a, b in panel_edges(S.shape[0], panels):
+        S[a:b, a:] += block(a, b)
+
+
+def panel_edges(d: int, panels: int) -> list[tuple[int, int]]:
+    """(a, b) of each of `panels` row panels of equal width over d rows (fewer where d is smaller), the
+    widest-reaching first: panel a:b of an upper triangle spans columns a:d."""
     k = max(1, min(panels, d))
     edges = [round(i * d / k) for i in range(k + 1)]
-    for a, b in zip(edges, edges[1:]):
-        S[a:b, a:] += block(a, b)
+    return list(zip(edges, edges[1:]))
 
 
 def onednn_nt():

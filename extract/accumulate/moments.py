@@ -2,10 +2,13 @@
 cross moments Σ h_l h_{l+1}ᵀ of consecutive layers — what anisotropy, IsoScore, PCA, effective rank,
 linearity and CKA are computed from.  Each batch's d×d products run in the chosen precision
 (`PRECISIONS`) through the kernels of matmul.py, and are added into float64 sums, so rounding never
-accumulates across batches; on a CPU the work runs on a background thread (background.py).
+accumulates across batches; on a CPU the work runs on the crew beside the token sums (crew.py).
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,10 +16,23 @@ import torch
 from common.errors import UserError
 
 from .background import SideStream, Worker, cpu_plan
-from .matmul import ONEDNN, add_gram_upper, mkl_skips_avx512, mm_bf16, mm_out_dtype
+from .crew import Crew, Task
+from .matmul import ONEDNN, add_gram_upper, mkl_skips_avx512, mm_bf16, mm_out_dtype, panel_edges
 from .paths import slow_path
 
 PRECISIONS = ("float32", "float64", "bfloat16")  # of the moments' per-batch products
+
+
+@dataclass(eq=False)
+class _Job:
+    """One layer's batch on its way into the products (`Moments._job`)."""
+
+    layer: int
+    M: int  # rows
+    x: list  # the chunks of the copied rows, views of the layer's buffer
+    prev: tuple | None  # the previous layer's (layer, chunks, ok, Σh): the cross moment's other side
+    tasks: list = field(default_factory=list)
+    bad: bool = False  # a non-finite value among the rows (`begin`): no product was added
 
 
 class Moments:
@@ -41,18 +57,22 @@ class Moments:
     On a CPU the float32 products are taken over chunks of ≤ CHUNK rows, each chunk's products folded
     into the float64 sums: on an AVX-512 x86-64 CPU that MKL would run at AVX2 (AMD's) through oneDNN
     (`onednn_nt`) on the rows transposed ((d, rows) each), on others through torch (MKL) on the rows
-    as they are, centred as they are copied where the caller gives Σh; elsewhere through torch, one
-    product per batch.
+    as they are, centred as they are copied; elsewhere through torch, one product per batch.  Each
+    chunk's upper triangle is taken by row panels (`panel_edges`).
 
-    On a CPU (`background`, the default there) all of a batch's work — counts, Σh, the shift, the
-    products — is queued to one low-priority thread (`Worker`) and done in the same order as
-    inline: bit-identical sums, overlapped with the forward.  The shifted rows go to two reused
-    buffers (a fresh (M, d) tensor per layer costs page faults).  The
-    sums (`n`, `s1`, `n_pair`, `s2()`, `cross()`) wait for the queue when read."""
+    On a CPU with more than one intra-op thread the float32 products run on the crew (crew.py, the
+    default; `ISO_MOMENTS_WORKER`, background.py): the token sums hand each layer's rows to `begin`,
+    whose chunk copies and panel products run beside the token sums of the same rows while the
+    forward waits, and `end` adds the counts and Σh — the same tasks `add` runs in order on the
+    caller's thread, so the sums are bit-identical.  With `background` (ISO_MOMENTS_WORKER=thread)
+    all of a batch's work is queued to one low-priority thread (`Worker`) instead, in the same order;
+    the sums (`n`, `s1`, `n_pair`, `s2()`, `cross()`) wait for the queue when read.  The shifted
+    rows go to two reused buffers (a fresh (M, d) tensor per layer costs page faults)."""
 
     QUEUE_BYTES = 256 << 20  # rows waiting for the background thread, at most (one call's always fits)
     CHUNK = 512  # rows per float32 product on oneDNN's path: shorter float32 sums (docs/views-guide.md: precision)
 
+    COPY_TASKS = 4  # tasks that copy a batch's chunks (the products wait for all of them)
     CHUNK_BF16 = 4096  # rows per bf16 product (float32 accumulation inside it): docs/views-guide.md, precision
 
     def __init__(self, n_layers: int, d: int, device: torch.device | str, cross: bool = True,
@@ -92,21 +112,34 @@ class Moments:
             "float32": "float32 (centred" + (", oneDNN)" if self._nt is not None else ")")}[precision]}
         if self._bf16:
             self.paths["moments_rows"] = "raw"
-        threads = 1
-        if dev.type == "cpu":  # the moments' work fills the cores the forward leaves idle (background.py)
-            thread, threads = cpu_plan()
-            background = thread if background is None else background
-        if not background:
-            self._worker = None
-        elif dev.type == "cuda":  # a side stream: the products overlap the forward's kernels, no host sync
+        # row panels of each chunk's upper triangle: more, narrower ones on a CPU's chunks (fewer wasted
+        # multiply-adds below the diagonal, and tasks for the crew to balance), where they stay ≥ 128 wide
+        self._panels = min(8, max(2, d // 128)) if self._chunked else 4
+        where, threads = "inline", 1
+        if dev.type == "cpu":  # the crew by default (crew.py), or a background thread (background.py)
+            where, threads = cpu_plan()
+            if background is not None:
+                where = "thread" if background else "inline"
+        elif background:
+            where = "stream" if dev.type == "cuda" else "thread"
+        self._worker = None
+        self._crew = None
+        if where == "stream":  # a side stream: the products overlap the forward's kernels, no host sync
             self._worker = SideStream(dev)
-        else:
+        elif where == "thread":
             self._worker = Worker(max_bytes=self.QUEUE_BYTES, threads=threads)
+        elif where == "crew" and self._chunked and torch.get_num_threads() > 1:
+            self._crew = Crew(torch.get_num_threads())  # one helper per intra-op thread of the forward's
 
     @property
     def worker(self):
         """The executor the products run on (a Worker thread, a CUDA side stream), or None: inline."""
         return self._worker
+
+    @property
+    def crew(self) -> Crew | None:
+        """The CPU's crew that runs a layer's token sums beside these products (`begin`), or None."""
+        return self._crew
 
     @property
     def has_cross(self) -> bool:
@@ -158,63 +191,108 @@ class Moments:
     def _add(self, layer: int, h: torch.Tensor, ok: torch.Tensor, given=None) -> None:
         if self._bf16:
             return self._add_bf16(layer, h, ok, given)
-        s, n = given if given is not None else (None, ok.sum())
-        self._n[layer] += n
+        s, n = given if given is not None else (h.sum(0, dtype=torch.float64), ok.sum())
+        if self._shifted and not self._c_set[layer]:
+            self._centre(layer, s, n)
+        job = self._job(layer, h)
+        for task in job.tasks:  # in order on this thread: what the crew runs in parallel (`begin`)
+            task.fn()
+        self._book(job, ok, s, n)
+
+    # ------------------------------------------------------------ a batch's products as tasks
+
+    def begin(self, layer: int, h: torch.Tensor) -> "_Job | None":
+        """The crew's share of `add` (a CPU's float32 rows, the layer's centre known): the batch's chunk
+        copies and panel products as tasks (`_Job.tasks`) that need neither n, Σh nor which rows are
+        ok, so they run beside the token sums of the same rows; `end` adds the rest.  h: (M, d) the
+        rows as gathered, not yet zeroed where not ok (a non-finite row makes the products skip, and
+        `end` adds the zeroed rows the plain way).  None: this batch goes through `add`."""
+        if self._crew is None or not self._chunked or not self._c_set[layer]:
+            return None
+        return self._job(layer, h.to(self._s1.device), guard=True)
+
+    def end(self, job: "_Job", h: torch.Tensor, ok: torch.Tensor, s: torch.Tensor, n: torch.Tensor) -> None:
+        """After `begin`'s tasks ran: the batch's counts and sums (as `add`'s arguments)."""
+        if job.bad:  # nothing was added: the rows, zeroed where not ok, the plain way
+            return self._add(job.layer, h, ok, (s, n))
+        self._book(job, ok, s, n)
+
+    def _job(self, layer: int, h: torch.Tensor, guard: bool = False) -> "_Job":
+        """One batch's products as tasks: the rows copied into chunks of `buf` (centred where the
+        products are shifted) — oneDNN's ≤ CHUNK rows transposed, (d, rows); MKL's on a CPU ≤ CHUNK
+        rows as they are, (rows, d); elsewhere all M rows, (M, d) — then, after every copy, each row
+        panel of the upper triangle (`panel_edges`) and of the cross moment summed over the chunks in
+        order, so each entry's float64 additions come in one order whoever runs which panel."""
         M, d = h.shape
-        self._rows[layer] += M
         buf = self._bufs[layer % 2]
         if buf.numel() < M * d:
             buf = self._bufs[layer % 2] = torch.empty(M * d, dtype=self._dtype, device=h.device)
-        # x: the rows in chunks, each contiguous in `buf` — oneDNN's: ≤ CHUNK rows transposed,
-        # (d, rows); MKL's on a CPU: ≤ CHUNK rows as they are, (rows, d); elsewhere all M rows, (M, d)
         T = self._nt is not None
         step = self.CHUNK if self._chunked else max(M, 1)
-        x = []
-        summed = s is None  # else Σh from the caller: no float64 copy of each chunk for its sum
-        if summed:
-            s = torch.zeros(d, dtype=torch.float64, device=h.device)
-        elif self._shifted and not self._c_set[layer]:
-            self._centre(layer, s, n)
-        # centred as they are copied where Σh is known and the rows are not transposed (one pass over
-        # them; a transposed read is faster as a plain copy): the same float32 h − c either way
-        centre = self._shifted and not summed and not T
-        for a in range(0, M, step):
-            b = min(a + step, M)
-            xc = buf[a * d: b * d].view((d, b - a) if T else (b - a, d))
-            if centre:
-                torch.sub(h[a:b], self._c[layer], out=xc)
-            else:
-                xc.copy_(h[a:b].T if T else h[a:b])  # exact (float32/bf16 into float32, anything into float64)
-            if summed:
-                s += xc.sum(1 if T else 0, dtype=torch.float64)  # Σh, float64 accumulation
-            x.append(xc)
-        self._s1[layer] += s
-        if self._shifted and not centre:
-            if not self._c_set[layer]:
-                self._centre(layer, s, n)
-            c = self._c[layer].unsqueeze(1) if T else self._c[layer]
-            for xc in x:
-                xc.sub_(c)  # h − c in float32
-        px = None
+        spans = [(a, min(a + step, M)) for a in range(0, M, step)]
+        x = [buf[a * d: b * d].view((d, b - a) if T else (b - a, d)) for a, b in spans]
+        prev = None
         if self._cross is not None and self._prev is not None and self._prev[0] == layer - 1:
-            _, px, pok, ps = self._prev  # the previous layer's chunks: the other buffer, the same rows
+            prev = self._prev  # the previous layer's chunks: the other buffer, the same rows
+        job = _Job(layer, M, x, prev)
+        c = self._c[layer] if self._shifted else None
+        groups = max(1, min(self.COPY_TASKS, len(spans)))
+        copies = tuple(Task(functools.partial(self._copy, job, h, spans[i::groups], x[i::groups], c, guard))
+                       for i in range(groups))
+        edges = panel_edges(d, self._panels)
+        job.tasks = [*copies, *(Task(functools.partial(self._cross_panel, job, a, b), copies)
+                                for a, b in edges if prev is not None),
+                     *(Task(functools.partial(self._gram_panel, job, a, b), copies) for a, b in edges)]
+        return job
+
+    def _copy(self, job: "_Job", h: torch.Tensor, spans, chunks, c, guard: bool) -> None:
+        """Rows a:b of h into each chunk, exactly (float32/bf16 into float32, anything into float64),
+        less the centre c where there is one (h − c in float32); `guard`: a non-finite value marks the
+        job bad."""
+        T = self._nt is not None
+        for (a, b), xc in zip(spans, chunks):
+            if T:
+                xc.copy_(h[a:b].T)
+                if c is not None:
+                    xc.sub_(c.unsqueeze(1))
+            elif c is not None:
+                torch.sub(h[a:b], c, out=xc)
+            else:
+                xc.copy_(h[a:b])
+            if guard and not bool(torch.isfinite(xc.sum())):
+                job.bad = True
+
+    def _gram_panel(self, job: "_Job", a: int, b: int) -> None:
+        """Rows a:b of the upper triangle, from column a on: Σ over the chunks of their products."""
+        if job.bad:
+            return
+        S = self._s2[job.layer]
+        for xc in job.x:
+            S[a:b, a:] += self._nt(xc[a:b], xc[a:]) if self._nt is not None else xc[:, a:b].T @ xc[:, a:]
+
+    def _cross_panel(self, job: "_Job", a: int, b: int) -> None:
+        """Rows a:b of Σ (h_l − c_l)(h_{l+1} − c_{l+1})ᵀ, l the previous layer: over the chunk pairs."""
+        if job.bad:
+            return
+        C = self._cross[job.layer - 1]
+        for p, xc in zip(job.prev[1], job.x):
+            C[a:b] += self._nt(p[a:b], xc) if self._nt is not None else p[:, a:b].T @ xc
+
+    def _book(self, job: "_Job", ok: torch.Tensor, s: torch.Tensor, n: torch.Tensor) -> None:
+        """A batch's counts and Σh, and the pair's bookkeeping for the cross moment."""
+        layer = job.layer
+        self._n[layer] += n
+        self._rows[layer] += job.M
+        self._s1[layer] += s
+        if job.prev is not None:
+            _, _, pok, ps = job.prev
             self._n_pair[layer - 1] += (pok & ok).sum()
-            self._pair_rows[layer - 1] += M
+            self._pair_rows[layer - 1] += job.M
             if self._shifted:
                 self._pair_s[layer - 1, 0] += ps
                 self._pair_s[layer - 1, 1] += s
         if self._cross is not None:
-            self._prev = (layer, x, ok, s)
-        S = self._s2[layer]
-        for i, xc in enumerate(x):  # each chunk's products folded into the float64 sums
-            if T:  # oneDNN on the transposed rows (d, rows)
-                block = lambda a, b, xc=xc: self._nt(xc[a:b], xc[a:])  # noqa: E731
-            else:  # torch on the rows as they are (rows, d); MKL reads them transposed in place
-                block = lambda a, b, xc=xc: xc[:, a:b].T @ xc[:, a:]  # noqa: E731
-            # a CPU's chunks: 2 panels (smaller products run slower there); one product per batch: 4
-            add_gram_upper(S, block, 2 if self._chunked else 4)
-            if px is not None:  # Σ (h_l − c_l)(h_{l+1} − c_{l+1})ᵀ
-                self._cross[layer - 1] += self._nt(px[i], xc) if T else (px[i].T @ xc).to(torch.float64)
+            self._prev = (layer, job.x, ok, s)
 
     def _centre(self, layer: int, s: torch.Tensor, n: torch.Tensor) -> None:
         """A layer's centre for the float32 products: its first batch's mean, on the device (no sync)."""
@@ -348,9 +426,11 @@ class Moments:
             self._worker.wait()
 
     def close(self) -> None:
-        """Stop the background thread (always call; idempotent)."""
+        """Stop the background thread or the crew (always call; idempotent)."""
         if self._worker is not None:
             self._worker.close()
+        if self._crew is not None:
+            self._crew.close()
 
     def s2(self, layer: int) -> np.ndarray:
         """Σhhᵀ of a layer, (d, d) float64."""

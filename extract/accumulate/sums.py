@@ -38,6 +38,7 @@ from common.errors import UserError
 from . import fused as fused_kernels
 from .kernels import (change_distance, change_norms, change_sum_norm, change_sums, chunk_terms, compiled_layer_step,
                       opposite_norm, run_compiled, unit_means, window_sums)
+from .crew import Task
 from .moments import Moments
 from .paths import first_line, slow_path
 from .sample import Sample
@@ -85,6 +86,7 @@ class TokenSums:
         self.change_angle = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
         self._prev = None  # (layer, its rows, their 1/‖h‖) of the batch's last layer added (`_prev_rows`)
         self._chunk_bufs = None  # the CPU path's float64 chunk buffers (`_buffers`)
+        self._row_bufs = [None, None]  # the CPU path's gathered rows, layers alternating (`_gather`)
         self._batch = None
         self._nxt = None  # (B·T,) the positions' next counted positions (`set_batch`, compiled step with `extra`)
         # On a GPU, a few compiled kernels per layer (norm; scale + scatter-add; per-window
@@ -308,10 +310,11 @@ class TokenSums:
                         else:
                             self.extra.add(layer, h, ok, windows[0], windows[2], terms=tuple(terms))
                 return
-        h = hidden.reshape(-1, d).index_select(0, sel)  # (M, d) compute dtype
+        chunked = self.host_sync_free and uniq is None  # the CPU path
+        h = self._gather(layer, hidden.reshape(-1, d), sel, chunked)  # (M, d) compute dtype
         if self.sample is not None:
             self.sample.add(layer, h)
-        if self.host_sync_free and uniq is None:
+        if chunked:
             return self._add_chunked(layer, h, index)
         norm = torch.linalg.vector_norm(h, dim=1, dtype=torch.float64)  # (M,) float64
         finite = torch.isfinite(norm)
@@ -418,8 +421,46 @@ class TokenSums:
     WINDOW_TERMS: bool | None = None
     CHUNK = 512  # rows per step of the CPU path: its float64 temporaries (2 MiB at d 512) stay in cache
 
+    def _gather(self, layer: int, flat: torch.Tensor, sel: torch.Tensor, reuse: bool) -> torch.Tensor:
+        """The counted rows flat[sel], (M, d).  With `reuse` (the CPU path), where nothing queued on a
+        background thread reads them later, into one of two reused buffers, layers alternating (the
+        rows are read until the next layer's change, `_keep`): a fresh (M, d) tensor per layer is a
+        fresh mapping of memory whose first writes fault page by page."""
+        if not reuse or any(x is not None and x.worker is not None for x in (self.moments, self.extra)):
+            return flat.index_select(0, sel)
+        M, d = len(sel), flat.shape[1]
+        buf = self._row_bufs[layer % 2]
+        if buf is None or buf.numel() < M * d or buf.dtype != flat.dtype:
+            buf = self._row_bufs[layer % 2] = torch.empty(M * d, dtype=flat.dtype, device=flat.device)
+        return torch.index_select(flat, 0, sel, out=buf[: M * d].view(M, d))
+
     def _add_chunked(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
-        """The CPU path of `add`: the same float64 arithmetic as the general path (the norm of the
+        """The CPU path of `add`: the token sums (`_sums_chunked`), then the moments and the per-window
+        measures of the same rows, each given Σh and n from the token sums' window sums.  Where the
+        moments have a crew (crew.py) the token sums run on it beside the moments' chunk copies and
+        products (`Moments.begin`), while the forward waits.  h: (M, d) the counted rows, index: (M,)
+        their slots."""
+        moments = self.moments
+        job = moments.begin(layer, h) if moments is not None and moments.crew is not None else None
+        if job is None:
+            h, ok, m, n_w, terms = self._sums_chunked(layer, h, index)
+            if moments is not None:  # Σh from the window sums: the moments need not sum the rows again
+                moments.add(layer, h, ok, s=m.sum(0), n=ok.sum())
+        else:  # on the crew's threads: the same one-thread arithmetic whichever thread runs it
+            out = []
+
+            def token_sums():
+                r = self._sums_chunked(layer, h, index)
+                out.append((*r, r[2].sum(0), r[1].sum()))  # ... and the moments' Σh and n
+
+            moments.crew.run([Task(token_sums), *job.tasks])
+            h, ok, m, n_w, terms, s, n = out[0]
+            moments.end(job, h, ok, s, n)
+        if self.extra is not None:
+            self.extra.add(layer, h, ok, m, n_w, terms=terms)
+
+    def _sums_chunked(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> tuple:
+        """The token sums of `_add_chunked`: the same float64 arithmetic as the general path (the norm of the
         exact upcast, û = h · (1/‖h‖), the same index-adds in the same row order, so Σû, Σh and the
         counts are bit-identical to it), done CHUNK rows at a time in place on one float64 copy of
         the chunk: one upcast per row instead of three (the norm's, the product's and Σh's type
@@ -427,8 +468,8 @@ class TokenSums:
         cache instead of memory.  With `extra` (--sequences) the per-window measures' `row_terms` are
         taken from the same chunks (each chunk upcast with the previous chunk's last two rows, for
         the velocities across the boundary), so WindowMeasures does not read the rows again — unless
-        it runs on the moments' background thread (`WINDOW_TERMS`).
-        h: (M, d) the counted rows, index: (M,) their slots."""
+        it runs on the moments' background thread (`WINDOW_TERMS`).  Returns the rows (zeroed where
+        not ok), ok (M,), the window sums Σh (B, d) and counts (B,), and the row terms (or None)."""
         M, d = h.shape
         win, n_win, _, n_w = self._windows
         f64 = torch.float64
@@ -488,12 +529,9 @@ class TokenSums:
         self._keep(layer, h, inv)
         self.counts[layer].index_add_(0, index, counts)
         self._window_stats(layer, m, u, n_w, u2)
-        if self.moments is not None:  # Σh from the window sums: the moments need not sum the rows again
-            self.moments.add(layer, h, ok, s=m.sum(0), n=ok.sum())
-        if self.extra is not None:
-            if terms is not None:  # (M,) each, the chunks' pieces joined
-                terms = tuple(torch.cat(t) for t in zip(*terms))
-            self.extra.add(layer, h, ok, m, n_w, terms=terms)
+        if terms is not None:  # (M,) each, the chunks' pieces joined
+            terms = tuple(torch.cat(t) for t in zip(*terms))
+        return h, ok, m, n_w, terms
 
     def _buffers(self, d: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The CPU path's two float64 chunk buffers, (CHUNK + 2, d) for the upcast rows and (CHUNK, d)
