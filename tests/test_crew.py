@@ -54,6 +54,11 @@ def test_tasks_run_after_theirs_on_every_helper_and_the_first_error_reaches_the_
         crew.run([first, Task(step("after"), (first,))])
     assert log == []  # what waited for the failed task did not run
     crew.run([Task(step("again"))])  # the crew still runs
+    seen, one = [], Crew(1)
+    count = Task(lambda: seen.append(torch.get_num_threads()), threads=3)
+    one.run([count, Task(lambda: seen.append(torch.get_num_threads()), (count,))])
+    one.close()
+    assert seen == [3, 1]  # a task's own intra-op threads, and one again after it
     assert [n for n, _, _ in log] == ["again"]
     crew.close()
     crew.close()

@@ -8,6 +8,7 @@ importing only those below it:
 * kernels.py — the per-layer arithmetic: the compiled GPU step, window sums, the per-window row terms;
 * moments.py — `Moments`: n, Σh, Σhhᵀ and cross moments per layer, in a chosen product precision;
 * matmul.py — the moments' matrix-product back-ends (oneDNN, MKL, bf16 tensor cores);
+* crew.py — `Crew`: a CPU's helper threads that run a layer's token sums and moments while the forward waits;
 * background.py — the executors that run the moments off the forward's path (thread, CUDA stream);
 * sample.py — `Sample`: the mergeable bottom-k sample of token vectors;
 * attention.py — `AttentionSums`: per-head query/key sums of every block's attention;

@@ -2,7 +2,8 @@
 
 At each layer's hook the forward is paused, so every core is free: the layer's token sums and the
 moments' chunk copies and panel products are handed to the crew as tasks (`Task`), each helper
-running one task at a time on one intra-op thread.  Independent single-threaded tasks keep both kinds
+running one task at a time on one intra-op thread (a task may ask for more: on a CPU with more cores
+than the moments have tasks, the token sums take the rest).  Independent single-threaded tasks keep both kinds
 of work on every core at once, where a background thread beside the forward's own OpenMP team would
 stall that team (docs/cost-model.md, "The CPU's thread budget").  For the forward's idle OpenMP
 threads to give their cores up quickly, they must not spin long after a parallel region
@@ -11,7 +12,8 @@ threads to give their cores up quickly, they must not spin long after a parallel
 `run(tasks)` returns when every task is done, re-raising the first error (the tasks after it are
 skipped).  A task starts once the tasks it names in `after` are done, in list order otherwise (the
 longest first is the caller's choice).  Each task's arithmetic does not depend on which helper runs
-it, so the sums are bit-identical to running the same tasks in order on one thread of the caller's.
+it, so the sums are bit-identical to running the same tasks in order on one thread of the caller's
+(with one intra-op thread per task: the token sums' own float64 reductions may split by threads).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ WAITING, RUNNING, DONE = 0, 1, 2
 
 @dataclass(eq=False)
 class Task:
-    """A call the crew runs once, after the tasks in `after`."""
+    """A call the crew runs once, after the tasks in `after`, on `threads` intra-op threads."""
 
     fn: Callable[[], None]
     after: tuple["Task", ...] = field(default_factory=tuple)
+    threads: int = 1
 
 
 class Crew:
@@ -88,10 +91,15 @@ class Crew:
                 grad, inference = self._modes
             error = None
             try:
+                if task.threads != 1:
+                    torch.set_num_threads(task.threads)
                 with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                     task.fn()
             except BaseException as e:  # noqa: BLE001 — handed to the caller of `run`
                 error = e
+            finally:
+                if task.threads != 1:
+                    torch.set_num_threads(1)
             with self._cv:
                 self._state[task] = DONE
                 if error is not None and self._error is None:

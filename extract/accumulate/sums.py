@@ -453,7 +453,8 @@ class TokenSums:
                 r = self._sums_chunked(layer, h, index)
                 out.append((*r, r[2].sum(0), r[1].sum()))  # ... and the moments' Σh and n
 
-            moments.crew.run([Task(token_sums), *job.tasks])
+            # a crew with more helpers than the moments' tasks gives the rest to the token sums
+            moments.crew.run([Task(token_sums, threads=max(1, moments.crew.size - len(job.tasks))), *job.tasks])
             h, ok, m, n_w, terms, s, n = out[0]
             moments.end(job, h, ok, s, n)
         if self.extra is not None:
