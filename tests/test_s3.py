@@ -171,6 +171,47 @@ def test_kill_between_data_files_and_record_leaves_nothing_visible(s3env, single
     same_numbers(views(url), single["views"])
 
 
+def test_a_companion_torn_by_a_concurrent_rewrite_is_read_again(s3env, monkeypatch):
+    """pyarrow reads an S3 object by a HEAD (its size) and ranged GETs: another writer's `replace` in between
+    tears that read ("Parquet magic bytes not found"; seen once in two concurrent extracts of one key). A
+    rewritable object (runs.parquet) is read again; a committed one never changes, so its first failure
+    stands; a damaged companion is still an error after TORN_READS reads."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from common.errors import UserError
+    from warehouse.storage import open_storage
+
+    st = open_storage(f"s3://{BUCKET}/torn")
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"x": [1, 2, 3]}), sink)
+    for rel in ("runs.parquet", "tables/t/one.parquet"):
+        st.replace(rel, sink.getvalue())
+    real, calls = pq.read_schema, []
+
+    def torn(first_only):
+        def read_schema(f, *a, **k):
+            calls.append(1)
+            if len(calls) == 1 or not first_only:
+                raise pa.ArrowInvalid("Parquet magic bytes not found in footer")
+            return real(f, *a, **k)
+        return read_schema
+
+    monkeypatch.setattr(pq, "read_schema", torn(True))
+    assert st.read_schema("runs.parquet").names == ["x"] and len(calls) == 2  # torn once, then whole
+    calls.clear()
+    with pytest.raises(UserError, match="magic bytes"):
+        st.read_schema("tables/t/one.parquet")  # committed once: not read again
+    assert len(calls) == 1
+    calls.clear()
+    monkeypatch.setattr(pq, "read_schema", torn(False))
+    with pytest.raises(UserError, match="magic bytes"):
+        st.read_schema("runs.parquet")
+    assert len(calls) == st.TORN_READS
+
+
 def test_create_if_absent_has_one_winner(s3env):
     from warehouse.storage import open_storage
 

@@ -110,9 +110,13 @@ class Crew:
                 self._cv.notify_all()
 
     def close(self) -> None:
-        """Stop the helpers (idempotent)."""
+        """Stop the helpers once their current tasks end (idempotent); tasks not started are dropped (a
+        caller interrupted inside `run` leaves some)."""
         with self._cv:
             self._closed = True
+            for t, s in self._state.items():
+                if s == WAITING:
+                    self._state[t] = DONE
             self._cv.notify_all()
         for t in self._threads:
             t.join()

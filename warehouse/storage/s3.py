@@ -159,26 +159,45 @@ class S3Storage(Storage):
     def _below(self, base: str) -> list[pafs.FileInfo]:  # one listing (no HEAD and LIST to ask whether it exists)
         return self.fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
 
+    def _parquet(self, rel: str, parse):
+        """parse(pyarrow's file of `rel`) as stored; a rewritable object (a companion, `replace`) up to
+        TORN_READS times while pyarrow finds no Parquet in it: another writer's `replace` between
+        pyarrow's HEAD (the size) and its ranged GETs tears one read (the stored object is whole);
+        a damaged object stays damaged, and the last failure is the error."""
+        tries = 1 if immutable(rel) else self.TORN_READS
+
+        def read():
+            with self._errors(rel):
+                for attempt in range(1, tries + 1):
+                    try:
+                        return parse(self.fs.open_input_file(self.path(rel)))
+                    except pa.ArrowInvalid:
+                        if attempt == tries:
+                            raise
+        return self._again(read)
+
+    TORN_READS = 3  # reads of a rewritable Parquet object before "not Parquet" is believed (`_parquet`)
+
     def parquet_file(self, rel: str, **kwargs):
         buf = self._whole(rel)
         if buf is not None:
             with self._errors(rel):
                 return pq.ParquetFile(pa.BufferReader(buf), **kwargs)
-        return self._again(lambda: super(S3Storage, self).parquet_file(rel, **kwargs))
+        return self._parquet(rel, lambda f: pq.ParquetFile(f, **kwargs))
 
     def read_table(self, rel: str, columns=None, filters=None) -> pa.Table:
         buf = self._whole(rel)
         if buf is not None:
             with self._errors(rel):
                 return read_parquet(pq.ParquetFile(pa.BufferReader(buf)), columns, filters)
-        return self._again(lambda: super(S3Storage, self).read_table(rel, columns, filters))
+        return self._parquet(rel, lambda f: read_parquet(pq.ParquetFile(f), columns, filters))
 
     def read_schema(self, rel: str) -> pa.Schema:
         buf = self._whole(rel)
         if buf is not None:
             with self._errors(rel):
                 return pq.read_schema(pa.BufferReader(buf))
-        return self._again(lambda: super(S3Storage, self).read_schema(rel))
+        return self._parquet(rel, pq.read_schema)
 
     def _s3(self):
         """boto3 client for what pyarrow.fs lacks (conditional PUT, delete without a directory marker, copy)."""
