@@ -89,11 +89,13 @@ def write_short(path: Path, tokens: int, vocab: int) -> None:
             n += k
 
 
-# The thread budget's variants (docs/performance.md, "Threads"): where the moments run, the worker's
-# intra-op threads, batches made ahead, and the one-thread reference (CPU time without contention).
+# The thread budget's variants (docs/performance.md, "Threads"): where the moments run (the crew by default,
+# the background thread, inline), the thread's intra-op threads, batches made ahead, and the one-thread
+# reference (CPU time without contention).
 THREAD_VARIANTS = (
     "bare", "default", "no-moments",
-    "default@ISO_MOMENTS_WORKER=inline", "default@ISO_WORKER_THREADS=2", "default@ISO_PREFETCH=0",
+    "default@ISO_MOMENTS_WORKER=inline", "default@ISO_MOMENTS_WORKER=thread",
+    "default@ISO_MOMENTS_WORKER=thread,ISO_WORKER_THREADS=2", "default@ISO_PREFETCH=0",
     "default@ISO_MOMENTS_WORKER=inline,ISO_PREFETCH=0", "default@ISO_PARAMS_CACHE=off",
     "bare@OMP_NUM_THREADS=1", "default@OMP_NUM_THREADS=1",
 )

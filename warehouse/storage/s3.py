@@ -8,7 +8,8 @@ AWS_DEFAULT_REGION); both clients retry transient faults by the policy of s3_ret
 failure left after the retries becomes one UserError line: cannot reach the endpoint, no such
 bucket, access denied, the store kept failing, or the store's own message.  A conditional PUT whose
 outcome is unknown (its answer lost) is settled by reading the record back.  Within a command each
-committed object is read at most once (s3_reads.py).
+committed object is read at most once (s3_reads.py); a rewritable Parquet object (a companion) whose
+read another writer's replace tore is read again (`_parquet`).
 """
 
 from __future__ import annotations
