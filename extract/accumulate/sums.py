@@ -441,7 +441,7 @@ class TokenSums:
         products (`Moments.begin`), while the forward waits.  h: (M, d) the counted rows, index: (M,)
         their slots."""
         moments = self.moments
-        job = moments.begin(layer, h) if moments is not None and moments.crew is not None else None
+        job = moments.begin(layer, h) if moments is not None else None  # None: no crew, or not yet
         if job is None:
             h, ok, m, n_w, terms = self._sums_chunked(layer, h, index)
             if moments is not None:  # Σh from the window sums: the moments need not sum the rows again
