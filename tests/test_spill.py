@@ -303,3 +303,63 @@ def test_a_spill_dir_that_cannot_be_made_is_one_line(tmp_path):
             acc.set_batch(ids, counted)
     acc.close()
     assert afile.read_text() == "x"
+
+
+def test_a_cpu_table_grows_within_one_reservation(unbudgeted, monkeypatch):
+    """On a CPU the table's rows are views of one allocation per layer sized for the most the table may
+    hold (the vocabulary, or the budget's share): growing moves no row, zeroes only the new ones, and
+    the pages beyond them are never touched (the process's resident memory grows by the rows reached,
+    not by the reservation).  Where the allocation is refused, or reservations are off, each growth
+    copies — the same sums bit for bit, with a budget too (the growth schedule is the same, so
+    evictions fall alike); a raised budget that outgrows the reservation moves the rows once."""
+    def resident() -> int:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    big = 200_000
+    table = SlotTable(2, big, 512, "cpu", None, np.zeros(big, dtype=np.int64))
+    before = resident()
+    assert table.grow(10) and table.capacity == 1024
+    assert resident() - before < 64 << 20  # 2 layers × 1,024 rows: 8 MiB, not 2 × 819 MB
+    assert table.sums[0].untyped_storage().nbytes() == big * 512 * 8  # a view of the whole reservation
+    where = [t.data_ptr() for t in table.sums + table.counts]
+    table.sums[1][5] = 7.0
+    table.counts[1][5] = 3
+    assert table.grow(3000) and table.capacity == 3000
+    assert [t.data_ptr() for t in table.sums + table.counts] == where  # nothing moved
+    assert table.sums[1][5].eq(7.0).all() and table.counts[1][5] == 3
+    assert not table.sums[1][6:].any() and not table.counts[1][6:].any()  # the new rows zeroed
+
+    acc0, want = unbudgeted
+    assert acc0.table.sums[0].untyped_storage().nbytes() == V * D * 8  # the reference reserved
+    real_empty = torch.empty
+
+    def refuse(*size, **kw):  # an allocation the size of the reservation is refused
+        if size and size[0] == V:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return real_empty(*size, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", refuse)
+        acc, got = accumulate()
+        assert acc.table.sums[0].untyped_storage().nbytes() == acc.capacity * D * 8  # copied growth
+        acc.close()
+    same(want, got, exact=True)
+    budget = acc0.table.resident * slot_bytes() // 4
+    runs = []
+    for reserve in (True, False):
+        monkeypatch.setattr(SlotTable, "RESERVE", reserve)
+        acc, got = accumulate(budget=budget, host_budget=None)
+        assert acc.spill_count > 0 and acc.peak_bytes <= budget
+        runs.append((got, acc.spill_count, acc.capacity))
+        acc.close()
+    assert runs[0][1:] == runs[1][1:]
+    same(runs[0][0], runs[1][0], exact=True)
+
+    monkeypatch.setattr(SlotTable, "RESERVE", True)
+    row = 2 * (8 * 512 + 8)
+    table = SlotTable(2, big, 512, "cpu", 5000 * row, np.zeros(big, dtype=np.int64))
+    assert table.grow(2000) and table.sums[0].untyped_storage().nbytes() < 5000 * 512 * 8
+    table.sums[0][1999] = 1.5
+    table.budget = None  # raised: the next growth outgrows the reservation
+    assert table.grow(9000) and table.sums[0][1999].eq(1.5).all() and not table.sums[0][2000:].any()
+    assert table.sums[0].untyped_storage().nbytes() == big * 512 * 8

@@ -4,8 +4,9 @@ A token type gets a *slot* the first time a batch counts it; every layer keeps a
 slot and an int64 count.  The map token → slot is a numpy array on the host, updated from the
 batch's token ids (which the host already has), so the device never reports which tokens are new.
 
-**Budget and tiers.**  With `budget` bytes, a table grows (×1.25, one layer at a time) only while it
-fits.  When the next batch's new types would not, it *evicts* the least-counted EVICT share of its
+**Budget and tiers.**  With `budget` bytes, a table grows (×1.25) only while it fits — on a GPU one
+layer at a time, copying; on a CPU within one address reservation per layer (`SlotTable._reserved`),
+copying nothing.  When the next batch's new types would not, it *evicts* the least-counted EVICT share of its
 resident types — counted over the whole stream so far (`freq`); the batch's own types never — and
 reuses their slots: the frequent types stay resident and are never written.  Evicted rows go to the
 next tier: the accumulator's device table → (when it is a GPU) a host-RAM table (another
@@ -45,6 +46,7 @@ class SlotTable:
     least-counted EVICT of the resident types (by `freq`, the occurrences seen over the stream)."""
 
     EVICT = 0.25  # share of the resident types evicted when the table is full
+    RESERVE = True  # on a CPU, grow within one reservation per layer (`_reserved`); False: copy, as on a GPU
 
     def __init__(self, n_layers: int, vocab: int, d: int, device, budget: int | None, freq: np.ndarray):
         self.L, self.V, self.d = n_layers, vocab, d
@@ -53,6 +55,7 @@ class SlotTable:
         self.freq = freq
         self.slot_of = np.full(vocab, -1, dtype=np.int64)  # (V,) token → slot
         self.peak_bytes = 0
+        self._refused = False  # the CPU's reservation was refused once: growth copies from then on
         self.reset()
 
     def reset(self) -> None:
@@ -62,6 +65,7 @@ class SlotTable:
         self.free = np.empty(0, dtype=np.int64)
         self.sums = [torch.zeros(0, self.d, dtype=torch.float64, device=self.device) for _ in range(self.L)]
         self.counts = [torch.zeros(0, dtype=torch.int64, device=self.device) for _ in range(self.L)]
+        self._res: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # the CPU's reservation (`_reserved`)
 
     @property
     def capacity(self) -> int:
@@ -85,21 +89,53 @@ class SlotTable:
         new = min(max(cap + cap // 4, need, 1024), self.V)
         row = 8 * self.d + 8
         if self.budget is not None:
-            # growing one layer at a time: the old and the new copy of the last layer coexist
+            # where growth copies, one layer at a time, the old and the new copy of the last layer
+            # coexist; the same schedule everywhere, so evictions fall alike with a reservation or without
             new = min(new, (self.budget - cap * row) // (self.L * row + 8))
         if new > cap:
-            self.peak_bytes = max(self.peak_bytes, self.L * new * row + cap * row + 8 * new)  # ≥ table_bytes()
+            views = self._reserved(new, row)
+            copy = cap * row if views is None else 0
+            self.peak_bytes = max(self.peak_bytes, self.L * new * row + copy + 8 * new)  # ≥ table_bytes()
             for layer in range(self.L):
-                grown = torch.empty(new, self.d, dtype=torch.float64, device=self.device)
-                grown[:cap] = self.sums[layer]
-                grown[cap:].zero_()  # only the new rows: the old ones are overwritten by the copy
-                self.sums[layer] = grown
-                counts = torch.empty(new, dtype=torch.int64, device=self.device)
-                counts[:cap] = self.counts[layer]
+                if views is not None:  # the reservation's first `new` rows: the old ones are its first `cap`
+                    grown, counts = views[0][layer][:new], views[1][layer][:new]
+                else:
+                    grown = torch.empty(new, self.d, dtype=torch.float64, device=self.device)
+                    grown[:cap] = self.sums[layer]
+                    counts = torch.empty(new, dtype=torch.int64, device=self.device)
+                    counts[:cap] = self.counts[layer]
+                grown[cap:].zero_()  # only the new rows
                 counts[cap:].zero_()
-                self.counts[layer] = counts
+                self.sums[layer], self.counts[layer] = grown, counts
             self.tokens = np.concatenate([self.tokens, np.full(new - cap, -1, dtype=np.int64)])
         return new >= need
+
+    def _reserved(self, new: int, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """On a CPU, per layer one allocation of the most rows this table may reach (the vocabulary, or
+        what the budget holds), the table's sums and counts being views of its first rows: growing
+        copies nothing, and the pages of rows never reached are never touched, so never resident
+        (the allocation only reserves addresses).  Made at the first growth (or again, the rows
+        copied once, where a raised budget outgrows it).  None where there is none: a GPU (its
+        allocator commits what it is asked for), or the allocation was refused (a strict overcommit
+        policy, an address-space limit) — then each growth copies."""
+        if self.device.type != "cpu" or not self.RESERVE or self._refused:
+            return None
+        if self._res is not None and self._res[0][0].shape[0] >= new:
+            return self._res
+        most = self.V if self.budget is None else min(self.V, self.budget // (self.L * row + 8))
+        rows = max(new, most)
+        try:
+            res = ([torch.empty(rows, self.d, dtype=torch.float64) for _ in range(self.L)],
+                   [torch.empty(rows, dtype=torch.int64) for _ in range(self.L)])
+        except (RuntimeError, MemoryError):
+            self._refused = True
+            return None
+        cap = self.capacity
+        for layer in range(self.L):  # rows of an outgrown reservation (none at the first growth)
+            res[0][layer][:cap] = self.sums[layer]
+            res[1][layer][:cap] = self.counts[layer]
+        self._res = res
+        return res
 
     def admit(self, ids: np.ndarray, evict) -> bool:
         """Give every token of `ids` (distinct) a slot; when the table is full, the least-counted
