@@ -19,6 +19,7 @@ from common.openmp import SPIN, short_spin
 from conftest import ROOT, one_thread
 from extract.accumulate.background import cpu_plan
 from extract.accumulate.crew import Crew, Task
+from extract.accumulate.matmul import panel_edges
 from extract.accumulate.moments import Moments
 from extract.accumulate.sums import TokenSums
 
@@ -173,3 +174,15 @@ def test_the_command_line_sets_a_short_openmp_spin_before_torch_loads():
     env = {k: v for k, v in __import__("os").environ.items() if k not in SPIN}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split()[-2:] == [SPIN["GOMP_SPINCOUNT"], "False"]
+
+
+def test_panel_edges_cover_every_row_once_the_last_halved():
+    """The row panels of a product's upper triangle partition its d rows, widest-reaching first; halved,
+    the last panel is two of half its width (where it is at least two rows wide)."""
+    for d, k in ((512, 4), (256, 2), (300, 2), (5, 8), (1, 4), (2, 1)):
+        for halve in (False, True):
+            edges = panel_edges(d, k, halve_last=halve)
+            assert edges[0][0] == 0 and edges[-1][1] == d
+            assert all(a < b for a, b in edges) and all(p[1] == q[0] for p, q in zip(edges, edges[1:]))
+            assert len(edges) == min(k, d) + (halve and d // min(k, d) >= 2)
+    assert panel_edges(512, 4, halve_last=True) == [(0, 128), (128, 256), (256, 384), (384, 448), (448, 512)]

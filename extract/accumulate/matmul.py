@@ -26,11 +26,15 @@ def add_gram_upper(S: torch.Tensor, block, panels: int) -> None:
         S[a:b, a:] += block(a, b)
 
 
-def panel_edges(d: int, panels: int) -> list[tuple[int, int]]:
+def panel_edges(d: int, panels: int, halve_last: bool = False) -> list[tuple[int, int]]:
     """(a, b) of each of `panels` row panels of equal width over d rows (fewer where d is smaller), the
-    widest-reaching first: panel a:b of an upper triangle spans columns a:d."""
+    widest-reaching first: panel a:b of an upper triangle spans columns a:d.  `halve_last`: the last
+    panel as two of half its width (the crew's last tasks: two short ones end together where one
+    would run alone)."""
     k = max(1, min(panels, d))
     edges = [round(i * d / k) for i in range(k + 1)]
+    if halve_last and edges[-1] - edges[-2] >= 2:
+        edges.insert(-1, (edges[-2] + edges[-1]) // 2)
     return list(zip(edges, edges[1:]))
 
 

@@ -73,6 +73,7 @@ class Moments:
     CHUNK = 512  # rows per float32 product on oneDNN's path: shorter float32 sums (docs/views-guide.md: precision)
 
     COPY_TASKS = 4  # tasks that copy a batch's chunks (the products wait for all of them)
+    PANELS = None  # row panels of each product's upper triangle (None: by d and device, `__init__`)
     CHUNK_BF16 = 4096  # rows per bf16 product (float32 accumulation inside it): docs/views-guide.md, precision
 
     def __init__(self, n_layers: int, d: int, device: torch.device | str, cross: bool = True,
@@ -100,6 +101,7 @@ class Moments:
         self._nt = ONEDNN if self._shifted and dev.type == "cpu" and mkl_skips_avx512() else None
         self._chunked = self._shifted and dev.type == "cpu"
         self._bufs = [torch.empty(0, dtype=self._dtype, device=dev) for _ in range(2)]  # layers alternate
+        self._scratches = [torch.empty(0, dtype=torch.float32, device=dev) for _ in range(self.COPY_TASKS)]
         self._split_bufs = [torch.empty(0, 0, dtype=torch.bfloat16, device=dev) for _ in range(2)]  # hi | lo
         self._split: list[bool | None] = [None] * n_layers  # bf16: centred hi+lo rows (decided at the first batch)
         self._ratio: list[float | None] = [None] * n_layers  # bf16: the first batch's ‖μ‖²/tr C per layer
@@ -113,8 +115,9 @@ class Moments:
         if self._bf16:
             self.paths["moments_rows"] = "raw"
         # row panels of each chunk's upper triangle: more, narrower ones on a CPU's chunks (fewer wasted
-        # multiply-adds below the diagonal, and tasks for the crew to balance), where they stay ≥ 128 wide
-        self._panels = min(8, max(2, d // 128)) if self._chunked else 4
+        # multiply-adds below the diagonal, and tasks for the crew to balance), where they stay ≥ 128 wide,
+        # the last halved (`_job`)
+        self._panels = self.PANELS or (min(8, max(2, d // 128)) if self._chunked else 4)
         where, threads = "inline", 1
         if dev.type == "cpu":  # the crew by default (crew.py), or a background thread (background.py)
             where, threads = cpu_plan()
@@ -237,30 +240,39 @@ class Moments:
         job = _Job(layer, M, x, prev)
         c = self._c[layer] if self._shifted else None
         groups = max(1, min(self.COPY_TASKS, len(spans)))
-        copies = tuple(Task(functools.partial(self._copy, job, h, spans[i::groups], x[i::groups], c, guard))
+        copies = tuple(Task(functools.partial(self._copy, job, h, spans[i::groups], x[i::groups], c, guard, i))
                        for i in range(groups))
-        edges = panel_edges(d, self._panels)
+        edges = panel_edges(d, self._panels, halve_last=self._chunked)
         job.tasks = [*copies, *(Task(functools.partial(self._cross_panel, job, a, b), copies)
                                 for a, b in edges if prev is not None),
                      *(Task(functools.partial(self._gram_panel, job, a, b), copies) for a, b in edges)]
         return job
 
-    def _copy(self, job: "_Job", h: torch.Tensor, spans, chunks, c, guard: bool) -> None:
+    def _copy(self, job: "_Job", h: torch.Tensor, spans, chunks, c, guard: bool, scratch: int = 0) -> None:
         """Rows a:b of h into each chunk, exactly (float32/bf16 into float32, anything into float64),
         less the centre c where there is one (h − c in float32); `guard`: a non-finite value marks the
-        job bad."""
+        job bad.  oneDNN's transposed chunks are centred row by row first, into this task's own
+        `scratch` buffer (the rows read once, in order; the guard reads the buffer while it is in cache),
+        then transposed."""
         T = self._nt is not None
         for (a, b), xc in zip(spans, chunks):
             if T:
-                xc.copy_(h[a:b].T)
-                if c is not None:
-                    xc.sub_(c.unsqueeze(1))
+                rows = h[a:b] if c is None else torch.sub(h[a:b], c, out=self._scratch(scratch, b - a, h))
+                xc.copy_(rows.T)
             elif c is not None:
-                torch.sub(h[a:b], c, out=xc)
+                rows = torch.sub(h[a:b], c, out=xc)
             else:
-                xc.copy_(h[a:b])
-            if guard and not bool(torch.isfinite(xc.sum())):
+                rows = xc.copy_(h[a:b])
+            if guard and not bool(torch.isfinite(rows.sum())):
                 job.bad = True
+
+    def _scratch(self, i: int, rows: int, h: torch.Tensor) -> torch.Tensor:
+        """Copy task i's (rows, d) buffer for centred rows, float32, reused (one per task: they run at once)."""
+        d = h.shape[1]
+        buf = self._scratches[i]
+        if buf.numel() < self.CHUNK * d:
+            buf = self._scratches[i] = torch.empty(self.CHUNK * d, dtype=torch.float32, device=h.device)
+        return buf[: rows * d].view(rows, d)
 
     def _gram_panel(self, job: "_Job", a: int, b: int) -> None:
         """Rows a:b of the upper triangle, from column a on: Σ over the chunks of their products."""
