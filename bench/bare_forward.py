@@ -36,7 +36,8 @@ def main() -> None:
     from extract.models import forward_kwargs, load, resolve_model, to_compute
     from extract.run.settings import Settings, SourceResult
     from extract.run.windows import batch_limits, batches, windows
-    from extract.sources import ReadStats, SentenceSplitter, indexed_documents, parse_source
+    from extract.sentences import SentenceSplitter
+    from extract.sources import ReadStats, indexed_documents, parse_source
 
     settings = Settings(unit=a.unit, max_length=a.max_length, max_tokens=a.max_tokens, batch_size=a.batch_size,
                         batch_tokens=a.batch_tokens)

@@ -55,7 +55,8 @@ def main() -> None:
     from extract.run.settings import Settings, SourceResult
     from extract.run.stream import attention_for, base_forward, forward_batch, new_accumulator
     from extract.run.windows import batch_limits, batches, windows
-    from extract.sources import ReadStats, SentenceSplitter, indexed_documents, parse_source
+    from extract.sentences import SentenceSplitter
+    from extract.sources import ReadStats, indexed_documents, parse_source
 
     with tempfile.TemporaryDirectory(prefix="isobench-attention-") as tmp:
         tmp = Path(tmp)

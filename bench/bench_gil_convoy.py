@@ -34,7 +34,8 @@ from extract.architectures import get_module  # noqa: E402
 from extract.models import forward_kwargs, load, resolve_model, to_compute  # noqa: E402
 from extract.run.settings import Settings, SourceResult  # noqa: E402
 from extract.run.windows import batch_limits, batches, windows  # noqa: E402
-from extract.sources import ReadStats, SentenceSplitter, indexed_documents, parse_source  # noqa: E402
+from extract.sentences import SentenceSplitter  # noqa: E402
+from extract.sources import ReadStats, indexed_documents, parse_source  # noqa: E402
 from extract.staging import Prefetch  # noqa: E402
 
 

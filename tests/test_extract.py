@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import re
 
 import numpy as np
 import pyarrow as pa
@@ -19,7 +18,8 @@ from conftest import run_cli
 from extract.accumulate.sums import TokenSums
 from common.errors import UserError
 from extract.models import paper_checkpoints, parse_step, resolve_model
-from extract.sources import ReadStats, Source, SentenceSplitter, documents, parse_shard, sentence_spans
+from extract.sentences import SentenceSplitter
+from extract.sources import ReadStats, Source, documents, parse_shard
 from warehouse.query import connect
 
 
@@ -403,38 +403,6 @@ def test_non_utf8_lines_fail_or_are_replaced_or_skipped_and_counted(tmp_path):
     stats = ReadStats()
     docs = list(documents(Source("s", tmp_path / "bad.txt", None, "skip"), (1, 1), stats))
     assert docs == ["good line", "also good"] and stats.skipped_lines == 1
-
-
-def test_sentence_splitter_is_a_real_one():
-    split = SentenceSplitter()
-    assert split("Dr. Smith went to Washington. He arrived at 3 p.m. on Monday! Did he stay?") == [
-        "Dr. Smith went to Washington.", "He arrived at 3 p.m. on Monday!", "Did he stay?"]
-
-
-def test_sentence_spans_are_pysbds_own(sources):
-    """The splitter finds pysbd's sentences in the text by string search instead of pysbd's regular
-    expression per sentence: the same spans (start, end, text) as pysbd's own method on the test corpus
-    and on texts made to trip it — a sentence repeated (an earlier match ends before the previous
-    sentence: the next one is taken), Unicode whitespace after a sentence, a sentence pysbd altered so
-    that it is not in the text (left out), an empty one; and `\s` matches exactly what `isspace` does."""
-    import pysbd
-
-    assert all(bool(re.match(r"\s", chr(c))) == chr(c).isspace() for c in range(0x110000))
-    theirs = pysbd.Segmenter(language="en", clean=False)
-    texts = [*ref.source_texts(sources["alpha"]), "Hi. Hi. Hi.  Hi.", "Go.\u00a0Now.\u2003 Then.\n\nStop.",
-             "1. One item. 2. Two items.\n3) Three.", "He said \"wait...\" and left. Then? Yes!", "Ab. Ab.Ab. Ab",
-             "Dr. Smith went to Washington D.C. yesterday. He arrived at 3 p.m. on Monday!", "   ", "x"]
-    for text in texts:
-        sents = theirs.processor(text).process()
-        theirs.original_text = text
-        want = [(t.start, t.end, t.sent) for t in theirs.sentences_with_char_spans(sents)]
-        assert [(a, b, text[a:b]) for a, b in sentence_spans(text, sents)] == want, text
-        assert SentenceSplitter()(text) == [s.strip() for s in theirs.segment(text) if s.strip()]
-    text = "One. Two. One. Two."
-    for sents in (["One.", "Two.", "One.", "Two."], ["Two.", "One."], ["Three.", "One."], ["", "One."], ["One.", ""]):
-        theirs.original_text = text
-        want = [(t.start, t.end) for t in theirs.sentences_with_char_spans(sents)]
-        assert sentence_spans(text, sents) == want, sents
 
 
 def test_sentence_unit_feeds_sentences(workdir, sources, model_factory):

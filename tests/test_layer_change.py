@@ -19,7 +19,7 @@ from conftest import run_cli
 from test_sequences import feed_windows, layer_rows, windows_batch
 from extract.accumulate import kernels
 from extract.accumulate.sums import TokenSums
-from extract.sources import SentenceSplitter
+from extract.sentences import SentenceSplitter
 from warehouse.query import connect
 
 

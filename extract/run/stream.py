@@ -28,7 +28,8 @@ from ..masks import known_batch
 from ..memory import available_memory
 from ..models import Loaded, forward_kwargs
 from ..sequences import WindowMeasures
-from ..sources import (ReadStats, SentenceSplitter, Source, indexed_documents, position_keys, source_salt,
+from ..sentences import SentenceSplitter
+from ..sources import (ReadStats, Source, indexed_documents, position_keys, source_salt,
                        split_documents, split_source)
 from ..staging import Prefetch, stage
 from .settings import Settings, SourceResult

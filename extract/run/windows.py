@@ -14,7 +14,7 @@ import torch
 from common.errors import UserError
 
 from ..models import Loaded
-from ..sources import SentenceSplitter
+from ..sentences import SentenceSplitter
 from .settings import DEFAULT_BATCH_TOKENS, DEFAULT_BATCH_WINDOWS, DEFAULT_MAX_LENGTH, Settings, SourceResult
 
 
