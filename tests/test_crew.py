@@ -178,11 +178,18 @@ def test_the_command_line_sets_a_short_openmp_spin_before_torch_loads():
 
 def test_panel_edges_cover_every_row_once_the_last_halved():
     """The row panels of a product's upper triangle partition its d rows, widest-reaching first; halved,
-    the last panel is two of half its width (where it is at least two rows wide)."""
-    for d, k in ((512, 4), (256, 2), (300, 2), (5, 8), (1, 4), (2, 1)):
+    the last panel is two of half its width (where it is at least two rows wide).  A CPU's float32 chunks
+    take min(8, max(2, d // 128)) panels, the last halved."""
+    for d, k in ((512, 4), (256, 2), (300, 2), (5, 8), (1, 4), (2, 1), (7, 4)):
+        plain = panel_edges(d, k)
         for halve in (False, True):
             edges = panel_edges(d, k, halve_last=halve)
             assert edges[0][0] == 0 and edges[-1][1] == d
             assert all(a < b for a, b in edges) and all(p[1] == q[0] for p, q in zip(edges, edges[1:]))
-            assert len(edges) == min(k, d) + (halve and d // min(k, d) >= 2)
+            assert len(edges) == len(plain) + (halve and plain[-1][1] - plain[-1][0] >= 2)
     assert panel_edges(512, 4, halve_last=True) == [(0, 128), (128, 256), (256, 384), (384, 448), (448, 512)]
+    assert panel_edges(7, 4, halve_last=True)[-2:] == [(5, 6), (6, 7)]
+    with one_thread():
+        for d, panels in ((128, 2), (512, 4), (1024, 8), (4096, 8)):
+            job = Moments(1, d, "cpu", cross=False, background=False)._job(0, torch.zeros(4, d))
+            assert len(job.tasks) == 1 + panels + 1, d  # one copy task, the panels, the last one halved

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -15,6 +16,7 @@ import torch
 from conftest import ROOT, fork_run, run_cli
 from extract.accumulate.spill import remove_orphans
 from extract.accumulate.sums import TokenSums
+from extract.accumulate import tables
 from extract.accumulate.tables import SlotTable
 from common.errors import UserError
 from warehouse.query import connect
@@ -315,6 +317,9 @@ def test_a_cpu_table_grows_within_one_reservation(unbudgeted, monkeypatch):
     def resident() -> int:
         return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+    if not tables.lazy_memory():  # strict overcommit or `ulimit -v`: reservations are off (tested below)
+        pytest.skip("this system commits memory on allocation: a CPU table grows by copying")
+
     big = 200_000
     table = SlotTable(2, big, 512, "cpu", None, np.zeros(big, dtype=np.int64))
     before = resident()
@@ -331,19 +336,29 @@ def test_a_cpu_table_grows_within_one_reservation(unbudgeted, monkeypatch):
 
     acc0, want = unbudgeted
     assert acc0.table.sums[0].untyped_storage().nbytes() == V * D * 8  # the reference reserved
-    real_empty = torch.empty
+    real_empty, asked = torch.empty, []
 
-    def refuse(*size, **kw):  # an allocation the size of the reservation is refused
-        if size and size[0] == V:
+    def refuse(*size, **kw):  # the reservation (the first allocation of V rows) is refused
+        asked.append(size)
+        if len(asked) == 1 and size[0] == V:
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
         return real_empty(*size, **kw)
 
-    with monkeypatch.context() as m:
-        m.setattr(torch, "empty", refuse)
-        acc, got = accumulate()
-        assert acc.table.sums[0].untyped_storage().nbytes() == acc.capacity * D * 8  # copied growth
-        acc.close()
-    same(want, got, exact=True)
+    for system in (refuse, None):  # refused; a system where reserving would spend a limit (`lazy_memory`)
+        with monkeypatch.context() as m:
+            if system is refuse:
+                m.setattr(torch, "empty", refuse)
+            else:
+                m.setattr(tables, "lazy_memory", lambda: False)
+            acc, got = accumulate()
+            assert acc.table.sums[0].untyped_storage().nbytes() == acc.capacity * D * 8  # copied growth
+            acc.close()
+        same(want, got, exact=True)
+    assert asked[0][0] == V
+    child = ("import resource, sys; sys.path.insert(0, '.'); resource.setrlimit(resource.RLIMIT_AS, (1 << 40, 1 << 40)); "
+             "from extract.accumulate.tables import lazy_memory; print(lazy_memory())")
+    assert subprocess.run([sys.executable, "-c", child], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"  # under `ulimit -v`
     budget = acc0.table.resident * slot_bytes() // 4
     runs = []
     for reserve in (True, False):
@@ -362,4 +377,5 @@ def test_a_cpu_table_grows_within_one_reservation(unbudgeted, monkeypatch):
     table.sums[0][1999] = 1.5
     table.budget = None  # raised: the next growth outgrows the reservation
     assert table.grow(9000) and table.sums[0][1999].eq(1.5).all() and not table.sums[0][2000:].any()
+    assert table.peak_bytes >= 2 * (9000 + 2000) * (8 * 512 + 8)  # both reservations' rows, every layer, at once
     assert table.sums[0].untyped_storage().nbytes() == big * 512 * 8

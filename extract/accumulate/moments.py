@@ -73,7 +73,6 @@ class Moments:
     CHUNK = 512  # rows per float32 product on oneDNN's path: shorter float32 sums (docs/views-guide.md: precision)
 
     COPY_TASKS = 4  # tasks that copy a batch's chunks (the products wait for all of them)
-    PANELS = None  # row panels of each product's upper triangle (None: by d and device, `__init__`)
     CHUNK_BF16 = 4096  # rows per bf16 product (float32 accumulation inside it): docs/views-guide.md, precision
 
     def __init__(self, n_layers: int, d: int, device: torch.device | str, cross: bool = True,
@@ -117,7 +116,7 @@ class Moments:
         # row panels of each chunk's upper triangle: more, narrower ones on a CPU's chunks (fewer wasted
         # multiply-adds below the diagonal, and tasks for the crew to balance), where they stay ≥ 128 wide,
         # the last halved (`_job`)
-        self._panels = self.PANELS or (min(8, max(2, d // 128)) if self._chunked else 4)
+        self._panels = min(8, max(2, d // 128)) if self._chunked else 4
         where, threads = "inline", 1
         if dev.type == "cpu":  # the crew by default (crew.py), or a background thread (background.py)
             where, threads = cpu_plan()

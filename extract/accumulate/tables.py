@@ -5,8 +5,8 @@ slot and an int64 count.  The map token → slot is a numpy array on the host, u
 batch's token ids (which the host already has), so the device never reports which tokens are new.
 
 **Budget and tiers.**  With `budget` bytes, a table grows (×1.25) only while it fits — on a GPU one
-layer at a time, copying; on a CPU within one address reservation per layer (`SlotTable._reserved`),
-copying nothing.  When the next batch's new types would not, it *evicts* the least-counted EVICT share of its
+layer at a time, copying; on a CPU within one address reservation per layer (`SlotTable._reserved`,
+where memory is committed only as it is touched: `lazy_memory`), copying nothing.  When the next batch's new types would not, it *evicts* the least-counted EVICT share of its
 resident types — counted over the whole stream so far (`freq`); the batch's own types never — and
 reuses their slots: the frequent types stay resident and are never written.  Evicted rows go to the
 next tier: the accumulator's device table → (when it is a GPU) a host-RAM table (another
@@ -15,6 +15,9 @@ next tier: the accumulator's device table → (when it is a GPU) a host-RAM tabl
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import numpy as np
 import torch
@@ -37,6 +40,25 @@ def check_budget(budget, slot_bytes: int, what: str) -> None:
 def default_host_budget() -> int:
     """The host tier's default budget: half of the host memory free now."""
     return available_memory(torch.device("cpu")) // 2
+
+
+@functools.cache
+def lazy_memory() -> bool:
+    """Whether a large CPU allocation only reserves addresses until its pages are touched, at no cost to a
+    limit later allocations need: Linux without strict overcommit (`vm.overcommit_memory` 2 counts every
+    allocation against a commit limit) and without an address-space limit (`ulimit -v`).  Elsewhere (another
+    system may commit on allocation) no."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            if f.read().strip() == "2":
+                return False
+        import resource
+
+        return resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY
+    except (OSError, ValueError, ImportError):
+        return False
 
 
 class SlotTable:
@@ -93,8 +115,9 @@ class SlotTable:
             # coexist; the same schedule everywhere, so evictions fall alike with a reservation or without
             new = min(new, (self.budget - cap * row) // (self.L * row + 8))
         if new > cap:
+            outgrown = self._res is not None and self._res[0][0].shape[0] < new  # its rows move, all layers at once
             views = self._reserved(new, row)
-            copy = cap * row if views is None else 0
+            copy = cap * row if views is None else self.L * cap * row if outgrown else 0
             self.peak_bytes = max(self.peak_bytes, self.L * new * row + copy + 8 * new)  # ≥ table_bytes()
             for layer in range(self.L):
                 if views is not None:  # the reservation's first `new` rows: the old ones are its first `cap`
@@ -116,9 +139,9 @@ class SlotTable:
         copies nothing, and the pages of rows never reached are never touched, so never resident
         (the allocation only reserves addresses).  Made at the first growth (or again, the rows
         copied once, where a raised budget outgrows it).  None where there is none: a GPU (its
-        allocator commits what it is asked for), or the allocation was refused (a strict overcommit
-        policy, an address-space limit) — then each growth copies."""
-        if self.device.type != "cpu" or not self.RESERVE or self._refused:
+        allocator commits what it is asked for), a system where reserving would spend a limit that later
+        allocations need (`lazy_memory`), or the allocation was refused — then each growth copies."""
+        if self.device.type != "cpu" or not self.RESERVE or self._refused or not lazy_memory():
             return None
         if self._res is not None and self._res[0][0].shape[0] >= new:
             return self._res
@@ -129,6 +152,7 @@ class SlotTable:
                    [torch.empty(rows, dtype=torch.int64) for _ in range(self.L)])
         except (RuntimeError, MemoryError):
             self._refused = True
+            self._res = None  # an outgrown reservation goes once the copies replace its views
             return None
         cap = self.capacity
         for layer in range(self.L):  # rows of an outgrown reservation (none at the first growth)
