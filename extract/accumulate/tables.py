@@ -6,12 +6,13 @@ batch's token ids (which the host already has), so the device never reports whic
 
 **Budget and tiers.**  With `budget` bytes, a table grows (×1.25) only while it fits — on a GPU one
 layer at a time, copying; on a CPU within one address reservation per layer (`SlotTable._reserved`,
-where memory is committed only as it is touched: `lazy_memory`), copying nothing.  When the next batch's new types would not, it *evicts* the least-counted EVICT share of its
-resident types — counted over the whole stream so far (`freq`); the batch's own types never — and
-reuses their slots: the frequent types stay resident and are never written.  Evicted rows go to the
-next tier: the accumulator's device table → (when it is a GPU) a host-RAM table (another
-`SlotTable`, by default under half the host's free memory) → disk runs (`spill.Spill`).  `TokenSums`
-(sums.py) wires the tiers together; a type's final sum is its partial sums added oldest tier first.
+where memory is committed only as it is touched: `lazy_memory`), copying nothing.  When the next
+batch's new types would not, it *evicts* the least-counted EVICT share of its resident types —
+counted over the whole stream so far (`freq`); the batch's own types never — and reuses their slots:
+the frequent types stay resident and are never written.  Evicted rows go to the next tier: the
+accumulator's device table → (when it is a GPU) a host-RAM table (another `SlotTable`, by default
+under half the host's free memory) → disk runs (`spill.Spill`).  `TokenSums` (sums.py) wires the
+tiers together; a type's final sum is its partial sums added oldest tier first.
 """
 
 from __future__ import annotations
