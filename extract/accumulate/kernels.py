@@ -22,6 +22,17 @@ import math
 import torch
 
 
+def reused(bufs: list, i: int, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A `shape` view of bufs[i], a flat buffer kept between calls and replaced by a larger one (or one of
+    another dtype) when it falls short: the hot path's scratch without a fresh tensor per call, whose
+    first writes would fault its pages in one by one."""
+    n = math.prod(shape)
+    buf = bufs[i]
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
+        buf = bufs[i] = torch.empty(n, dtype=dtype, device=device)
+    return buf[:n].view(shape)
+
+
 def window_sums(h: torch.Tensor, norm: torch.Tensor, x: torch.Tensor, ok: torch.Tensor, win: torch.Tensor,
                 n_win: int, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per window (B of them): Σh (B, d) and Σû (B, d) of the eager path.

@@ -17,6 +17,7 @@ from common.errors import UserError
 
 from .background import SideStream, Worker, cpu_plan
 from .crew import Crew, Task
+from .kernels import reused
 from .matmul import ONEDNN, add_gram_upper, mkl_skips_avx512, mm_bf16, mm_out_dtype, panel_edges
 from .paths import slow_path
 
@@ -99,9 +100,9 @@ class Moments:
         # kernels on AMD), else MKL on the rows as they are (no transposed copy)
         self._nt = ONEDNN if self._shifted and dev.type == "cpu" and mkl_skips_avx512() else None
         self._chunked = self._shifted and dev.type == "cpu"
-        self._bufs = [torch.empty(0, dtype=self._dtype, device=dev) for _ in range(2)]  # layers alternate
-        self._scratches = [torch.empty(0, dtype=torch.float32, device=dev) for _ in range(self.COPY_TASKS)]
-        self._split_bufs = [torch.empty(0, 0, dtype=torch.bfloat16, device=dev) for _ in range(2)]  # hi | lo
+        self._bufs = [None, None]  # the copied rows, layers alternating (`reused`)
+        self._scratches = [None] * self.COPY_TASKS  # the copy tasks' centred rows, one per task
+        self._split_bufs = [None, None]  # bf16: hi | lo, layers alternating
         self._split: list[bool | None] = [None] * n_layers  # bf16: centred hi+lo rows (decided at the first batch)
         self._ratio: list[float | None] = [None] * n_layers  # bf16: the first batch's ‖μ‖²/tr C per layer
         self._dim_ratio: list[float | None] = [None] * n_layers  # and its max μ_i² / max C_ii
@@ -209,7 +210,7 @@ class Moments:
         ok, so they run beside the token sums of the same rows; `end` adds the rest.  h: (M, d) the
         rows as gathered, not yet zeroed where not ok (a non-finite row makes the products skip, and
         `end` adds the zeroed rows the plain way).  None: this batch goes through `add`."""
-        if self._crew is None or not self._chunked or not self._c_set[layer]:
+        if self._crew is None or not self._c_set[layer]:  # (a crew exists only for chunked float32 rows)
             return None
         return self._job(layer, h.to(self._s1.device), guard=True)
 
@@ -226,9 +227,7 @@ class Moments:
         panel of the upper triangle (`panel_edges`) and of the cross moment summed over the chunks in
         order, so each entry's float64 additions come in one order whoever runs which panel."""
         M, d = h.shape
-        buf = self._bufs[layer % 2]
-        if buf.numel() < M * d:
-            buf = self._bufs[layer % 2] = torch.empty(M * d, dtype=self._dtype, device=h.device)
+        buf = reused(self._bufs, layer % 2, (M * d,), self._dtype, h.device)
         T = self._nt is not None
         step = self.CHUNK if self._chunked else max(M, 1)
         spans = [(a, min(a + step, M)) for a in range(0, M, step)]
@@ -255,8 +254,9 @@ class Moments:
         then transposed."""
         T = self._nt is not None
         for (a, b), xc in zip(spans, chunks):
-            if T:
-                rows = h[a:b] if c is None else torch.sub(h[a:b], c, out=self._scratch(scratch, b - a, h))
+            if T:  # oneDNN's rows are always centred (float32 products)
+                rows = torch.sub(h[a:b], c, out=reused(self._scratches, scratch, (b - a, h.shape[1]), torch.float32,
+                                                       h.device))
                 xc.copy_(rows.T)
             elif c is not None:
                 rows = torch.sub(h[a:b], c, out=xc)
@@ -264,14 +264,6 @@ class Moments:
                 rows = xc.copy_(h[a:b])
             if guard and not bool(torch.isfinite(rows.sum())):
                 job.bad = True
-
-    def _scratch(self, i: int, rows: int, h: torch.Tensor) -> torch.Tensor:
-        """Copy task i's (rows, d) buffer for centred rows, float32, reused (one per task: they run at once)."""
-        d = h.shape[1]
-        buf = self._scratches[i]
-        if buf.numel() < self.CHUNK * d:
-            buf = self._scratches[i] = torch.empty(self.CHUNK * d, dtype=torch.float32, device=h.device)
-        return buf[: rows * d].view(rows, d)
 
     def _gram_panel(self, job: "_Job", a: int, b: int) -> None:
         """Rows a:b of the upper triangle, from column a on: Σ over the chunks of their products."""
@@ -385,9 +377,7 @@ class Moments:
         if not self._split[layer]:
             return (h,)
         M, d = h.shape
-        buf = self._split_bufs[layer % 2]
-        if buf.shape[0] < M or buf.shape[1] != 2 * d:
-            buf = self._split_bufs[layer % 2] = torch.empty(M, 2 * d, dtype=torch.bfloat16, device=h.device)
+        buf = reused(self._split_bufs, layer % 2, (M, 2 * d), torch.bfloat16, h.device)
         hi, lo = buf[:M, :d], buf[:M, d:]
         x = torch.where(ok.unsqueeze(1), h.float() - self._c[layer], 0.0)  # (M, d) float32, exact
         hi.copy_(x)  # rounded to bf16

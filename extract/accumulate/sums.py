@@ -37,7 +37,7 @@ from common.errors import UserError
 
 from . import fused as fused_kernels
 from .kernels import (change_distance, change_norms, change_sum_norm, change_sums, chunk_terms, compiled_layer_step,
-                      opposite_norm, run_compiled, unit_means, window_sums)
+                      opposite_norm, reused, run_compiled, unit_means, window_sums)
 from .crew import Task
 from .moments import Moments
 from .paths import first_line, slow_path
@@ -428,11 +428,8 @@ class TokenSums:
         fresh mapping of memory whose first writes fault page by page."""
         if not reuse or any(x is not None and x.worker is not None for x in (self.moments, self.extra)):
             return flat.index_select(0, sel)
-        M, d = len(sel), flat.shape[1]
-        buf = self._row_bufs[layer % 2]
-        if buf is None or buf.numel() < M * d or buf.dtype != flat.dtype:
-            buf = self._row_bufs[layer % 2] = torch.empty(M * d, dtype=flat.dtype, device=flat.device)
-        return torch.index_select(flat, 0, sel, out=buf[: M * d].view(M, d))
+        out = reused(self._row_bufs, layer % 2, (len(sel), flat.shape[1]), flat.dtype, flat.device)
+        return torch.index_select(flat, 0, sel, out=out)
 
     def _add_chunked(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
         """The CPU path of `add`: the token sums (`_sums_chunked`), then the moments and the per-window
