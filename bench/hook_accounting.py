@@ -3,7 +3,7 @@
 `set_batch` (the token table's growth among it), and the wait for the prefetched batches.
 
 A ratio against a bare forward measured in another process moves with this machine's speed from one
-minute to the next (±5–10 % on a shared VM); the parts below come from one run, so their shares do not.
+minute to the next; the parts below come from one run, so their shares do not.
 `loop ÷ (loop − ours)` estimates default ÷ bare for the loop, "ours" being the hooks and `set_batch`
 (it assumes the forward between the hooks runs as fast as a bare one: compare with bench_matrix.py).
 

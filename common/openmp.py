@@ -3,10 +3,10 @@
 After each parallel region torch's intra-op threads spin, waiting for the next one — GNU OpenMP
 (libgomp, Linux wheels) by default for 300,000 spins, LLVM's (libomp) for 200 ms.  At a layer's hook
 the forward pauses and the accumulation's crew takes every core (extract/accumulate/crew.py):
-spinning threads would keep a core each from it.  With libgomp's default the crew cost 1.147 × a
-bare forward, with 1,000 spins 1.090, and the bare forward itself no more (docs/cost-model.md, "The
-CPU's thread budget"); libomp's setting is not measured.  Only defaults: a value the user set
-stays, and a process that loaded torch before this runs has its own.
+spinning threads would keep a core each from it, while a short spin costs the forward itself
+nothing measurable (docs/cost-model.md, "The CPU's thread budget", has the numbers; libomp's
+setting is not measured).  Only defaults: a value the user set stays, and a process that loaded
+torch before this runs has its own.
 """
 
 from __future__ import annotations
