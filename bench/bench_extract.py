@@ -120,7 +120,8 @@ def main() -> None:
     ap.add_argument("--moments-chunk", type=int, default=None,
                     help="bf16 moments: rows per product (Moments.CHUNK_BF16; fewer: a smaller error, more launches)")
     ap.add_argument("--moments-variant", default="lean", choices=list(VARIANTS),
-                    help="bf16 moments: the default path (lean) or bench/moments_variants.py's grouped products")
+                    help="bf16 moments: the default path (lean: on a GPU gram.py's kernel) or bench/moments_variants.py's "
+                         "torch products or grouped products")
     ap.add_argument("--moments-panels", type=int, default=None,
                     help="bf16 moments: row panels of each product's upper triangle (Moments.PANELS; 1: full products)")
     ap.add_argument("--check", action="store_true",

@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--chunks", default=str(Moments.CHUNK_BF16),
                     help="comma-separated rows per bf16 product (Moments.CHUNK_BF16) to compare")
     ap.add_argument("--variants", default="lean", help="comma-separated of " + ", ".join(VARIANTS)
-                    + " (lean: the default path; the others: bench/moments_variants.py)")
+                    + " (lean: the default path, on a GPU gram.py's kernel; the others: bench/moments_variants.py)")
     ap.add_argument("--panels", default=str(Moments.PANELS),
                     help="comma-separated row panels of the upper triangle (Moments.PANELS; 1: full products)")
     ap.add_argument("--reduced", default="on", help="comma-separated on/off: torch.backends.cuda.matmul."
@@ -105,7 +105,7 @@ def main() -> None:
         panel_counts = [int(p) for p in args.panels.split(",")]
         for variant, chunk, panels, reduced in ((v, int(c), p, r) for v in args.variants.split(",")
                                                 for c in args.chunks.split(",")
-                                                for p in (panel_counts if v == "lean" else panel_counts[:1])
+                                                for p in (panel_counts if v != "grouped" else panel_counts[:1])
                                                 for r in args.reduced.split(",")):  # panels: the lean path's alone
             Moments.CHUNK_BF16, Moments.PANELS = chunk, panels
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced == "on"

@@ -8,23 +8,22 @@
 #   env        the GPU, torch and Triton versions; carried wheels (.whl/: duckdb, zstandard, pysbd) installed
 #              where the machine lacks them (no package index needed)
 #   p14        Pythia-1.4B shape (d 2,048, 24 blocks, V 50,304; 8 × 2,048 tokens, random bf16 weights): bare
-#              forward against the default pass (the Triton token-sum kernels, --triton, + bf16 moments),
-#              interleaved batch by batch; one batch's top kernels; the sums checked against the eager path
-#              and float64 moments; the paths taken printed
+#              forward against the default pass (the Triton token-sum kernels, --triton, + bf16 moments through
+#              gram.py's Triton kernel), interleaved batch by batch; one batch's top kernels; the sums checked
+#              against the eager path and float64 moments; the paths taken printed
 #   tests      the CUDA-only tests (no host sync in the batch loop, the GPU paths against float64, the Triton
-#              kernels compiled for the GPU)
+#              kernels compiled for the GPU, gram.py's kernel against float64)
+#   gram       gram.py's kernel alone per layer (d 2,048, 16,384 rows) under several tiles, launches and flush
+#              intervals, raw and split rows, time and covariance error, beside torch's products
+#              (bench_gram.py): gram.py's constants are chosen from it
+#   p14-torch  p14 with the bf16 moments through torch's products (ISO_MOMENTS_GRAM=torch: the path before
+#              gram.py's kernel), for the ratio with and without the kernel
 #   p14-split  the same as p14 with every layer's moments centred and split (a trained model's mean-dominated
 #              layers)
 #   doctor     cli.py doctor at the 1.4B shape on Zipf text (its saved model and text made by the step mk,
 #              which runs with it: name both in GPU_CHECK_STEPS)
 #   l8         the Llama-3-8B shape (d 4,096, 32 blocks, GQA 8, V 128,256; 4 × 2,048 tokens)
 #   blocks     the Triton token-sum kernels alone, per layer, under several block sizes (bench_triton_blocks.py)
-#   p14-grouped p14 with the bf16 moments as one batched GEMM of 1,024-row pieces per product and one float64
-#              reduction (bench/moments_variants.py: two launches per product, the error of 1,024-row sums)
-#   p14-1024   p14 with the bf16 moments as full products of 1,024 rows
-#   lean       the bf16 moments per layer: the upper triangle and the split rows' products of views against
-#              the full products, and their error against float64 in the tensor cores' summation order, by
-#              rows per float32 product, upper-triangle panels against full products
 #   p14-compiled the same as p14 with the compiled step instead of the Triton kernels (--no-triton)
 set -u
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
@@ -64,8 +63,10 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 B="bench/bench_extract.py --device cuda --dtype bfloat16 --direct --moments --no-write --batches 4"
 P14="--hidden 2048 --layers 24 --batch 8 --seq 2048"
 step p14 120 $P $B $P14 --triton --profile --check
-step tests 120 $P -m pytest tests/test_gpu_path.py tests/test_accumulate.py tests/test_triton.py -p no:xdist -p no:cacheprovider \
-    -k "cuda or gpu_paths or triton or lack"
+step tests 120 $P -m pytest tests/test_gpu_path.py tests/test_accumulate.py tests/test_triton.py tests/test_gram.py -p no:xdist \
+    -p no:cacheprovider -k "cuda or gpu_paths or triton or lack or gram or rounds"
+step gram 90 $P bench/bench_gram.py --d 2048 --rows 16384
+ISO_MOMENTS_GRAM=torch step p14-torch 90 $P $B $P14 --triton
 step p14-split 90 $P $B $P14 --split-all
 step mk 75 $P -c "
 import numpy as n, types, pathlib as q
@@ -79,10 +80,6 @@ step doctor 130 $P cli.py doctor --model /tmp/p14 --source zipf=/tmp/zipf.txt --
 step l8 120 $P $B --arch llama --hidden 4096 --layers 32 --intermediate 14336 --kv-heads 8 --vocab 128256 \
     --batch 4 --seq 2048
 step blocks 90 $P bench/bench_triton_blocks.py
-step p14-grouped 90 $P $B $P14 --moments-variant grouped --check
-step p14-1024 90 $P $B $P14 --moments-chunk 1024 --moments-panels 1 --check
-step lean 60 $P bench/bench_lean_moments.py --device cuda --d 2048 --rows 16384 --variants lean,grouped \
-    --chunks 4096,1024 --panels 4,1
 step p14-compiled 90 $P $B $P14 --no-triton --check
 grep -E "^(===|torch|GPU|20)|ratio|tok/s|paths|peak|check|moments bfloat16|passed|failed|skipped|random |mean |massive |BLOCK_|^NORMS_D=|^ROWS=" \
     "$O/steps.txt" >>"$O/summary.txt"

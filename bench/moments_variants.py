@@ -1,6 +1,9 @@
 """Variants of the bf16 moments' products for the benchmarks (bench_extract.py --moments-variant,
 bench_lean_moments.py --variants), to measure against the default path before any becomes it.
 
+`TorchMoments`: torch's products (panels of the upper triangle, ≤ CHUNK_BF16 rows each, folded into
+float64 per product) where a GPU's default is gram.py's Triton kernel.
+
 `GroupedMoments`: each product of CHUNK_BF16 rows is made as one batched GEMM of PIECE-row pieces, each
 piece's Gram matrix summed in float32 by the tensor cores, the pieces summed into the float64 sums by one
 reduction — the float32 sums of PIECE rows (the error of shorter products) at two launches per product
@@ -28,7 +31,12 @@ def bmm_out_dtype(device: torch.device) -> bool:
         return False
 
 
-class GroupedMoments(Moments):
+class TorchMoments(Moments):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "triton": False})
+
+
+class GroupedMoments(TorchMoments):
     PIECE = 1024  # rows per float32 sum inside the batched product
 
     def _add_sym(self, S: torch.Tensor, P: list[torch.Tensor]) -> None:
@@ -55,4 +63,4 @@ class GroupedMoments(Moments):
                 S += G.sum(0, dtype=torch.float64)
 
 
-VARIANTS = {"lean": Moments, "grouped": GroupedMoments}
+VARIANTS = {"lean": Moments, "torch": TorchMoments, "grouped": GroupedMoments}

@@ -106,17 +106,23 @@ class LayerOut:
     inv: torch.Tensor  # (B, T) float64 1/‖h‖, 0 where not counted, finite and non-zero: the next layer's `change`
 
 
-def kernels(interpret: bool):
-    """The four kernels: compiled for the GPU, or run by Triton's interpreter on CPU tensors — which
-    needs TRITON_INTERPRET=1 in the environment before Triton is first imported (its own library
+def triton_module(interpret: bool):
+    """triton_kernels.py, its kernels compiled for the GPU or run by Triton's interpreter on CPU tensors —
+    which needs TRITON_INTERPRET=1 in the environment before Triton is first imported (its own library
     functions are built for one or the other then; tests/conftest.py sets it where there is no GPU)."""
     import triton
 
     if bool(triton.knobs.runtime.interpret) != interpret:
         raise RuntimeError("Triton's interpreter is " + ("off: rows on the CPU need TRITON_INTERPRET=1 before "
                                                           "Triton is imported" if interpret else "on (TRITON_INTERPRET)"))
-    from . import triton_kernels as k
+    from . import triton_kernels
 
+    return triton_kernels
+
+
+def kernels(interpret: bool):
+    """The four kernels of the token-sum pass (`triton_module`)."""
+    k = triton_module(interpret)
     return k.norms_kernel, k.windows_kernel, k.slots_kernel, k.epilogue_kernel
 
 

@@ -16,6 +16,7 @@ import torch
 from common.errors import UserError
 
 from .background import SideStream, Worker, cpu_plan
+from . import gram
 from .crew import Crew, Task
 from .kernels import reused
 from .matmul import ONEDNN, add_gram_upper, mkl_skips_avx512, mm_bf16, mm_out_dtype, panel_edges
@@ -77,7 +78,7 @@ class Moments:
     CHUNK_BF16 = 4096  # rows per bf16 product (float32 accumulation inside it): docs/views-guide.md, precision
 
     def __init__(self, n_layers: int, d: int, device: torch.device | str, cross: bool = True,
-                 precision: str = "float32", background: bool | None = None):
+                 precision: str = "float32", background: bool | None = None, triton: bool | None = None):
         if precision not in PRECISIONS:
             raise ValueError(f"moments precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
         dev = torch.device(device)
@@ -108,8 +109,11 @@ class Moments:
         self._dim_ratio: list[float | None] = [None] * n_layers  # and its max μ_i² / max C_ii
         self._tensor_cores = dev.type == "cuda"  # bf16 products with a float32 output, where torch has them
         self._out_dtype: bool | None = None  # decided at the first bf16 rows (`add`)
+        # bf16 on a GPU: gram.py's kernel (on a CPU only where asked: tests, in Triton's interpreter)
+        self._triton = self._bf16 and (gram.wanted(dev) if triton is None else triton)
         self.paths: dict[str, str] = {"moments": {
-            "float64": "float64", "bfloat16": "bfloat16 (tensor cores, float32 out)" if self._tensor_cores else
+            "float64": "float64", "bfloat16": f"bfloat16 (Triton Gram kernel, float64 every {gram.FLUSH} rows)"
+            if self._triton else "bfloat16 (tensor cores, float32 out)" if self._tensor_cores else
             "bfloat16 (float32 products of the upcast rows)",
             "float32": "float32 (centred" + (", oneDNN)" if self._nt is not None else ")")}[precision]}
         if self._bf16:
@@ -179,7 +183,7 @@ class Moments:
                             f"{str(h.dtype).removeprefix('torch.')}: use --moments-precision float32")
         dev = self._s1.device
         h, ok = h.to(dev), ok.to(dev)
-        if self._bf16 and self._out_dtype is None:  # decided once, on the caller's thread (warnings)
+        if self._bf16 and not self._triton and self._out_dtype is None:  # decided once, on the caller's thread (warnings)
             self._out_dtype = self._tensor_cores and mm_out_dtype(h.device)
             if self._tensor_cores and not self._out_dtype:
                 slow_path(self.paths, "moments", "bfloat16 (float32 products: no mm out_dtype)",
@@ -303,11 +307,13 @@ class Moments:
         self._c_set[layer] = True
 
     def _add_bf16(self, layer: int, h: torch.Tensor, ok: torch.Tensor, given=None) -> None:
-        """precision "bfloat16": products of bf16 rows, every one exact in float32; float32
-        accumulation over ≤ CHUNK_BF16 rows per product (tensor cores on a GPU), each product added
-        into the float64 sums.  Only the upper triangle of a layer's Gram matrix is multiplied and
-        folded (`_add_sym`); a cross moment is one full product of the two layers' rows (views of
-        the rows as given, no copies).  How the rows go in is decided per layer at its first batch
+        """precision "bfloat16": products of bf16 rows, every one exact in float32.  On a GPU one
+        Triton kernel per product takes all of the batch's rows (gram.py: float32 sums of ≤ gram.FLUSH
+        rows on the tensor cores, added into float64 in registers; the split parts made inside it);
+        elsewhere float32 accumulation over ≤ CHUNK_BF16 rows per product, each product added into
+        the float64 sums.  Only the upper triangle of a layer's Gram matrix is multiplied and
+        folded (`_add_sym`, gram.py's tiles); a cross moment is one full product of the two layers'
+        rows (views of the rows as given, no copies).  How the rows go in is decided per layer at its first batch
         (`_decide`, one host read per layer, once):
 
         * a small mean: the raw rows as they are.
@@ -326,7 +332,7 @@ class Moments:
         self._rows[layer] += M
         if self._split[layer] is None:
             self._decide(layer, h, s, n)
-        parts = self._parts(layer, h, ok)  # bf16 (M, d) each: (h,) or (hi, lo)
+        parts = None if self._triton else self._parts(layer, h, ok)  # bf16 (M, d) each: (h,) or (hi, lo)
         prev = self._prev if self._cross is not None else None
         paired = prev is not None and prev[0] == layer - 1 and prev[1] == M
         if paired:
@@ -335,6 +341,14 @@ class Moments:
                 both = (prev[2] & ok).unsqueeze(1)  # (M, 1)
                 self._pair_s[layer - 1, 0] += torch.where(both, prev[4], 0).sum(0, dtype=torch.float64)
                 self._pair_s[layer - 1, 1] += torch.where(both, h, 0).sum(0, dtype=torch.float64)
+        if self._triton:  # gram.py: every row of the batch in one kernel per product, parts made inside
+            side = (h, ok, self._c[layer], self._split[layer])
+            gram.add(self._s2[layer], side)
+            if paired:
+                gram.add(self._cross[layer - 1], (prev[4], prev[2], self._c[layer - 1], self._split[layer - 1]), side)
+            if self._cross is not None:
+                self._prev = (layer, M, ok, None, h)
+            return
         if self._cross is not None:  # this layer's rows (or parts) are kept for the next layer's cross moment
             self._prev = (layer, M, ok, parts, h)
         for a in range(0, M, self.CHUNK_BF16):

@@ -1,5 +1,5 @@
-"""The Triton kernels of fused.py (its docstring says what each one does and why), imported by it
-on first use.  Under TRITON_INTERPRET=1 (set before Triton is imported) they run in Triton's
+"""The Triton kernels of fused.py (its docstring says what each one does and why) and gram.py's
+(the bf16 moments' products), imported by them on first use.  Under TRITON_INTERPRET=1 (set before Triton is imported) they run in Triton's
 interpreter on CPU tensors: that is how the tests run them without a GPU."""
 
 import triton
@@ -182,3 +182,66 @@ def epilogue_kernel(m, u, u2, nw, B, D: tl.constexpr, s_out, counts, sum_h, sum_
         tl.atomic_add(windows, tl.sum(valid.to(tl.int64), axis=0))
         tl.atomic_add(unit_windows, tl.sum((bm & (n > 0)).to(tl.int64), axis=0))
         tl.atomic_add(counts + 2, tl.sum(n, axis=0))
+
+
+@triton.jit
+def bf16_rne(x):
+    """float32 x rounded to the nearest bf16 value, ties to even, as float32 (finite x): the GPU's
+    rounding, spelled out because Triton's interpreter truncates when it converts float32 to bf16."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["M", "sa", "sb"])
+def gram_kernel(a, sa, ok_a, c_a, b, sb, ok_b, c_b, tiles, M, out, D: tl.constexpr, SPLIT_A: tl.constexpr,
+                SPLIT_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FLUSH: tl.constexpr,
+                DOT_BF16: tl.constexpr):
+    t = tl.program_id(0)
+    cm = tl.load(tiles + 2 * t) * BM + tl.arange(0, BM)  # the tile's columns of a: rows of the product
+    cn = tl.load(tiles + 2 * t + 1) * BN + tl.arange(0, BN)  # its columns of b
+    mm = cm < D
+    mn = cn < D
+    ca = tl.load(c_a + cm, mask=mm, other=0.0)  # (BM,) float32 centre: 0 for raw rows
+    cb = tl.load(c_b + cn, mask=mn, other=0.0)
+    total = tl.zeros((BM, BN), dtype=tl.float64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)  # the float32 sum of ≤ FLUSH rows' products
+    for k0 in range(0, M, BK):
+        r = k0 + tl.arange(0, BK)
+        rm = r < M
+        oka = tl.load(ok_a + r, mask=rm, other=0) != 0
+        okb = tl.load(ok_b + r, mask=rm, other=0) != 0
+        xa = tl.load(a + r[:, None].to(tl.int64) * sa + cm[None, :], mask=rm[:, None] & mm[None, :], other=0.0)
+        xb = tl.load(b + r[:, None].to(tl.int64) * sb + cn[None, :], mask=rm[:, None] & mn[None, :], other=0.0)
+        fa = tl.where(oka[:, None], xa.to(tl.float32) - ca[None, :], 0.0)  # (BK, BM) h − c: exact in float32
+        fb = tl.where(okb[:, None], xb.to(tl.float32) - cb[None, :], 0.0)  # (BK, BN)
+        ha32 = bf16_rne(fa)  # hi: x rounded to bf16 (x itself for raw rows)
+        hb32 = bf16_rne(fb)
+        ha = ha32.to(tl.bfloat16)  # exact
+        hb = hb32.to(tl.bfloat16)
+        la = bf16_rne(fa - ha32).to(tl.bfloat16)  # lo: x − hi (exact in float32) rounded (0 for raw rows)
+        lb = bf16_rne(fb - hb32).to(tl.bfloat16)
+        if DOT_BF16:  # tensor cores: bf16 operands, float32 accumulation
+            acc = tl.dot(tl.trans(ha), hb, acc)
+            if SPLIT_B:
+                acc = tl.dot(tl.trans(ha), lb, acc)
+            if SPLIT_A:
+                acc = tl.dot(tl.trans(la), hb, acc)
+                if SPLIT_B:
+                    acc = tl.dot(tl.trans(la), lb, acc)
+        else:  # the interpreter multiplies bf16 operands' bit patterns: the same values in float32
+            acc = tl.dot(tl.trans(ha32), hb32, acc, input_precision="ieee")
+            if SPLIT_B:
+                acc = tl.dot(tl.trans(ha32), lb.to(tl.float32), acc, input_precision="ieee")
+            if SPLIT_A:
+                la32 = la.to(tl.float32)
+                acc = tl.dot(tl.trans(la32), hb32, acc, input_precision="ieee")
+                if SPLIT_B:
+                    acc = tl.dot(tl.trans(la32), lb.to(tl.float32), acc, input_precision="ieee")
+        if (k0 + BK) % FLUSH == 0:  # every FLUSH rows the float32 sum goes into the float64 one
+            total += acc.to(tl.float64)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+    total += acc.to(tl.float64)
+    at = out + cm[:, None].to(tl.int64) * D + cn[None, :]
+    mk = mm[:, None] & mn[None, :]
+    tl.store(at, tl.load(at, mask=mk, other=0.0) + total, mask=mk)  # the tile is this program's alone
