@@ -13,6 +13,7 @@ from typing import List, Optional
 import typer
 import typer.core
 
+from common.allocator import keep_freed_memory
 from common.errors import UserError
 from common.openmp import short_spin
 
@@ -533,6 +534,7 @@ def main() -> None:
     """Run the app; an I/O failure that no command turned into a message (a disk or a store failing
     mid-run) still ends in one line and exit code 2."""
     short_spin()  # before anything loads torch's OpenMP runtime (common/openmp.py)
+    keep_freed_memory()  # activations reused from the heap, not mapped again per batch (common/allocator.py)
     _examples_as_run(_program())
     try:
         app()

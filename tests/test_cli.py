@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -214,3 +215,39 @@ def test_a_default_extract_leaves_the_checkout_clean(tmp_path, model_factory, so
     ignored = git("status", "--porcelain", "--ignored", "--untracked-files=all", cwd=copy).stdout.splitlines()
     written = [line[3:] for line in ignored if "__pycache__/" not in line]
     assert written and all(p.startswith("isotropy-warehouse/") for p in written), written
+
+
+MMAPPED_AFTER_A_64_MIB_BLOCK = """
+import ctypes, sys
+class Info(ctypes.Structure):  # glibc's struct mallinfo2: ten size_t fields, hblks the fourth
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+before = libc.mallinfo2().hblks
+block = libc.malloc(64 << 20)
+print(libc.mallinfo2().hblks - before, 'torch' in sys.modules)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_the_command_line_keeps_freed_memory_for_reuse():
+    """cli.py's main raises glibc's mmap threshold (common/allocator.py): a 64 MiB block, which glibc
+    would map on its own (above its 32 MiB limit for a raised threshold), comes from the heap instead;
+    without the call, or with the user's own malloc settings, it is mapped; torch is not loaded for it."""
+    from common import allocator
+
+    cli_main = ("import sys; sys.argv = ['cli', '--help']\nimport isotropy_warehouse.cli as c\n"
+               "try:\n    c.main()\nexcept SystemExit:\n    pass\n")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+
+    def mapped(code, extra=None):
+        out = subprocess.run([sys.executable, "-c", code + MMAPPED_AFTER_A_64_MIB_BLOCK], cwd=ROOT,
+                             env={**env, **(extra or {})}, capture_output=True, text=True, check=True)
+        return out.stdout.split()[-2:]
+
+    assert mapped(cli_main) == ["0", "False"]
+    assert mapped("") == ["1", "False"]
+    assert mapped(cli_main, {"MALLOC_TRIM_THRESHOLD_": "131072"}) == ["1", "False"]  # the user's own setting
+    assert allocator.keep_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}) is False
