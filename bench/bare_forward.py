@@ -6,12 +6,14 @@ tables, nothing written.  bench_matrix.py times it beside `cli.py extract`.
     python bench/bare_forward.py MODEL_DIR SOURCE.jsonl [--unit sentence] [--max-length N] \\
         [--batch-size N] [--batch-tokens N] [--max-tokens N]
 
-Prints one line: `bare: TOKENS tokens, WINDOWS windows, BATCHES batches, LOOP s`.
+Prints one line: `bare: TOKENS tokens, WINDOWS windows, BATCHES batches, LOOP s, FAULTS minor page faults in
+the forward` (the process's, all threads, while the model ran: compare with hook_accounting.py's).
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -48,16 +50,19 @@ def main() -> None:
     source = parse_source(f"bench={a.source}")
     splitter = SentenceSplitter() if a.unit == "sentence" else None
     texts = indexed_documents(source, settings.shard, ReadStats())
-    tokens = wins = count = 0
+    tokens = wins = count = faults = 0
     start = time.perf_counter()
     with torch.inference_mode():
         for input_ids, mask, counted, _ in batches(loaded, windows(loaded, texts, settings, SourceResult("bench"), splitter),
                                                    *batch_limits(loaded, settings)):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             base(input_ids=input_ids, attention_mask=mask, **kwargs)
+            faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
             tokens += int(counted.sum())
             wins += input_ids.shape[0]
             count += 1
-    print(f"bare: {tokens} tokens, {wins} windows, {count} batches, {time.perf_counter() - start:.1f} s")
+    print(f"bare: {tokens} tokens, {wins} windows, {count} batches, {time.perf_counter() - start:.1f} s, "
+          f"{faults} minor page faults in the forward")
 
 
 if __name__ == "__main__":

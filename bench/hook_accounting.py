@@ -5,7 +5,8 @@
 A ratio against a bare forward measured in another process moves with this machine's speed from one
 minute to the next; the parts below come from one run, so their shares do not.
 `loop ÷ (loop − ours)` estimates default ÷ bare for the loop, "ours" being the hooks and `set_batch`
-(it assumes the forward between the hooks runs as fast as a bare one: compare with bench_matrix.py).
+(it assumes the forward between the hooks runs as fast as a bare one: compare with bench_matrix.py, and
+the forward's minor page faults, printed, with `bare_forward.py`'s).
 
     python bench/hook_accounting.py -- --model DIR --source bench=FILE.jsonl --unit sentence --max-length 512
     python bench/hook_accounting.py --timeline 2 -- --model DIR --source bench=FILE.jsonl   # two hooks' tasks
@@ -17,6 +18,7 @@ Everything after `--` goes to `cli.py extract` (a warehouse in a temporary folde
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import sys
 import tempfile
@@ -38,7 +40,13 @@ from extract.run import driver, stream  # noqa: E402
 
 seconds: dict[str, float] = defaultdict(float)
 calls: dict[str, int] = defaultdict(int)
+faults: dict[str, int] = defaultdict(int)  # minor page faults of the whole process while the part ran
 hooks: list[tuple[float, list]] = []  # per crew run: (wall, [(helper, task, start, end)])
+
+
+def minor_faults() -> int:
+    """The process's minor page faults so far (all threads)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def timed(owner, name: str, key: str) -> None:
@@ -46,12 +54,13 @@ def timed(owner, name: str, key: str) -> None:
     original = getattr(owner, name)
 
     def wrapper(*args, **kw):
-        t0 = time.perf_counter()
+        t0, f0 = time.perf_counter(), minor_faults()
         try:
             return original(*args, **kw)
         finally:
             seconds[key] += time.perf_counter() - t0
             calls[key] += 1
+            faults[key] += minor_faults() - f0
     setattr(owner, name, wrapper)
 
 
@@ -93,10 +102,12 @@ def trace_waits() -> None:
 def report(timeline: int) -> None:
     loop = seconds["forward loop"]
     ours = seconds["hooks (TokenSums.add)"] + seconds["set_batch"]
-    print(f"forward loop {loop:.2f} s; forward between the hooks {seconds['forward (hooks included)'] - seconds['hooks (TokenSums.add)']:.2f} s")
+    between = faults["forward (hooks included)"] - faults["hooks (TokenSums.add)"]
+    print(f"forward loop {loop:.2f} s; forward between the hooks {seconds['forward (hooks included)'] - seconds['hooks (TokenSums.add)']:.2f} s, "
+          f"{between} minor page faults")
     for key in ("hooks (TokenSums.add)", "set_batch", "table growth (SlotTable.grow)", "gather (TokenSums._gather)",
                 "waiting for batches"):
-        print(f"  {key:32s} {seconds[key]:7.3f} s in {calls[key]} calls")
+        print(f"  {key:32s} {seconds[key]:7.3f} s in {calls[key]} calls, {faults[key]} minor page faults")
     if hooks:
         busy = [sum(b - a for _, _, a, b in tasks) for _, tasks in hooks]
         helpers = max(len({t[0] for t in tasks}) for _, tasks in hooks)
@@ -136,11 +147,12 @@ def main() -> None:
 
     def counted(run, *rest, **kw):
         def forward(*x, **y):
-            t0 = time.perf_counter()
+            t0, f0 = time.perf_counter(), minor_faults()
             try:
                 return run(*x, **y)
             finally:
                 seconds["forward (hooks included)"] += time.perf_counter() - t0
+                faults["forward (hooks included)"] += minor_faults() - f0
         return forward_batch(forward, *rest, **kw)
     stream.forward_batch = counted
     trace_crew()
