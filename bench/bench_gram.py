@@ -5,7 +5,7 @@ the same rows — beside torch's products (moments.py's path elsewhere), so that
 chosen from measurements.
 
     python bench/bench_gram.py --d 2048 --rows 16384                      # on a GPU
-    python bench/bench_gram.py --configs 128x128x64:8:3:256,128x64x64:4:3:256
+    python bench/bench_gram.py --configs 128x64x32:8:3:256,128x64x64:8:3:256
     TRITON_INTERPRET=1 python bench/bench_gram.py --device cpu --d 64 --rows 512 --configs 32x32x16:4:1:64
 """
 
@@ -46,8 +46,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=2048)
     ap.add_argument("--rows", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--configs", default=f"{DEFAULT},128x64x64:4:3:256,128x64x64:8:3:256,64x64x64:4:3:256,"
-                                         f"128x128x64:8:4:256,128x128x64:8:3:512,128x128x64:8:3:1024",
+    ap.add_argument("--configs", default=f"{DEFAULT},128x64x64:8:3:256,128x128x32:8:3:256,64x64x32:4:3:256,"
+                                         f"128x64x32:8:4:256,128x64x32:8:3:512,128x64x32:8:3:1024",
                     help="comma-separated BMxBNxBK:WARPS:STAGES:FLUSH")
     args = ap.parse_args()
     dev, M, d = args.device, args.rows, args.d

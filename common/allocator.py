@@ -24,15 +24,20 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
 
-def keep_freed_memory(env=None) -> bool:
-    """Raise glibc's mmap and trim thresholds for this process (`mallopt`); False where nothing was
-    changed: not glibc, or the user set malloc's settings in `env` (the process's environment)."""
+def keep_freed_memory(env=None) -> int:
+    """Raise glibc's mmap and trim thresholds for this process (`mallopt`); returns the mmap threshold set:
+    MMAP_THRESHOLD, or 32 MiB where this glibc refuses more (some releases cap it at half their heap
+    size), or 0 where nothing was changed: not glibc, or the user set malloc's settings in `env` (the
+    process's environment)."""
     env = os.environ if env is None else env
     if "glibc.malloc." in env.get("GLIBC_TUNABLES", "") or any(name in env for name in USER_SETTINGS):
-        return False
+        return 0
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError, TypeError):  # no C library to ask, or one without mallopt
-        return False
+        return 0
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    threshold = next((t for t in (MMAP_THRESHOLD, 32 << 20) if mallopt(_M_MMAP_THRESHOLD, t)), 0)
+    if threshold:
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    return threshold

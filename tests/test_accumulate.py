@@ -179,8 +179,8 @@ def test_bfloat16_moments_are_exact_products_against_float64():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU tests above cover the arithmetic)")
 def test_gpu_paths_against_float64_without_host_syncs():
-    """On a GPU: the compiled step against the CPU's eager path; bf16 moments (tensor cores, float32
-    out) on the side stream against float64 products; and no host synchronisation inside `add`
+    """On a GPU: the compiled step against the CPU's eager path; bf16 moments (gram.py's kernel, its default
+    tiles) on the side stream against float64 products; and no host synchronisation inside `add`
     (CUDA's sync debug mode raises on one)."""
     torch.manual_seed(0)
     L, V, d = 3, 500, 64

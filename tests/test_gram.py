@@ -119,41 +119,78 @@ def test_the_gram_kernels_float32_sums_go_into_float64_every_flush_rows(small_ti
         assert 4 * errors[0] < errors[1], errors
 
 
-def test_bf16_moments_through_the_gram_kernel_equal_float64_moments(small_tiles):
-    """Moments(precision="bfloat16") with the kernel (a GPU's default; asked for here): layers at
-    ‖μ‖²/tr C = 0.1, 1e3, 0.1 and a layer with one massive dimension (max μ_i²/max C_ii ≈ 100) — raw,
-    split, raw, split — over batches of several sizes, rows not ok zeroed: each covariance within 1e-7
-    of its largest entry (measured ≤ 6e-8; with the split layers' lo parts left out 2e-3) and the cross
-    moments of every kind of pair within 1e-8 of theirs (≤ 2e-9; without lo parts 2e-5) — on a GPU
-    1e-6 each (`COV`, `CROSS`); n, Σh and the pairs' counts exact; the path recorded."""
+def _moments_against_float64(m: Moments, cov: float = COV, cross: float = CROSS, layers: int = 4, d: int = 40):
+    """Feed `m` and float64 moments the same bf16 rows — layers at ‖μ‖²/tr C = 0.1, 1e3, 0.1 and one with a
+    massive dimension (max μ_i²/max C_ii ≈ 100), batches of several sizes, ~10 % of rows not ok (zeroed), in
+    some batches a different 10 % per layer — and assert n, Σh and the pairs' counts exact, each covariance
+    within `cov` of its largest entry and each cross moment within `cross` of its own."""
     g = torch.Generator().manual_seed(3)
-    L, d = 4, 40
     sig = torch.logspace(0, -1, d)
     mus = [v / v.norm() * (ratio * float(sig.square().sum())) ** 0.5
-           for v, ratio in zip(torch.randn(L, d, generator=g), (0.1, 1e3, 0.1, 0.01))]
+           for v, ratio in zip(torch.randn(layers, d, generator=g), (0.1, 1e3, 0.1, 0.01))]
     mus[3] = torch.randn(d, generator=g) * 0.3 * sig
     mus[3][0] = 10.0  # a massive dimension
-    m = Moments(L, d, DEVICE, precision="bfloat16", background=False, triton=True)
-    exact = Moments(L, d, "cpu", precision="float64", background=False)
-    assert m.paths["moments"] == "bfloat16 (Triton Gram kernel, float64 every 64 rows)"
-    for M in (50, 7, 130, 64):
+    exact = Moments(layers, d, "cpu", precision="float64", background=False)
+    for M, own in ((50, False), (7, True), (130, True), (64, False)):
         ok = torch.rand(M, generator=g) > 0.1
-        for layer in range(L):
+        for layer in range(layers):
+            if own:  # this layer's own rows not ok: the cross moments' pairs count fewer than either layer
+                ok = torch.rand(M, generator=g) > 0.1
             h = (torch.randn(M, d, generator=g) * sig + mus[layer]).bfloat16()
             h[~ok] = 0
             m.add(layer, h.to(DEVICE), ok.to(DEVICE))
             exact.add(layer, h, ok)
-    assert m._split == [False, True, False, True] and m._ratio[1] > 500 and m._dim_ratio[3] > 50
     assert torch.equal(m.n.cpu(), exact.n) and torch.equal(m.n_pair.cpu(), exact.n_pair)
+    assert bool((exact.n_pair < exact.n[:-1]).all())
     assert torch.allclose(m.s1.cpu(), exact.s1, rtol=1e-14, atol=0)
-    for layer in range(L):
+    for layer in range(layers):
         n = float(exact.n[layer])
         mu = exact.s1[layer].numpy() / n
         C64 = exact.s2(layer) / n - np.outer(mu, mu)
-        assert np.abs(m.s2(layer) / n - np.outer(mu, mu) - C64).max() <= COV * np.abs(C64).max(), layer
-    for layer in range(L - 1):  # raw → split, split → raw, raw → split
+        assert np.abs(m.s2(layer) / n - np.outer(mu, mu) - C64).max() <= cov * np.abs(C64).max(), layer
+    for layer in range(layers - 1):  # raw → split, split → raw, raw → split
         X64 = exact.cross(layer)
-        assert np.abs(m.cross(layer) - X64).max() <= CROSS * np.abs(X64).max(), layer
+        assert np.abs(m.cross(layer) - X64).max() <= cross * np.abs(X64).max(), layer
+
+
+def test_bf16_moments_through_the_gram_kernel_equal_float64_moments(small_tiles):
+    """Moments(precision="bfloat16") with the kernel (a GPU's default; asked for here) against float64
+    moments (`_moments_against_float64`): layers raw, split, raw, split; each covariance within 1e-7 of
+    its largest entry (measured ≤ 6e-8; with the split layers' lo parts left out 2e-3) and the cross
+    moments of every kind of pair within 1e-8 of theirs (≤ 2e-9; without lo parts 2e-5; with the previous
+    layer's rows taken with this layer's `ok`, caught by the pairs that differ) — on a GPU 1e-6 each
+    (`COV`, `CROSS`); the path recorded."""
+    m = Moments(4, 40, DEVICE, precision="bfloat16", background=False, triton=True)
+    assert m.paths["moments"] == "bfloat16 (Triton Gram kernel, float64 every 64 rows)"
+    _moments_against_float64(m)
+    assert m._split == [False, True, False, True] and m._ratio[1] > 500 and m._dim_ratio[3] > 50
+    assert m._triton
+
+
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_a_kernel_that_cannot_launch_leaves_the_moments_to_torchs_products(small_tiles, monkeypatch, fail_at):
+    """Where the kernel cannot be compiled or fit on a GPU (Triton raises, e.g. OutOfResources, before it
+    adds anything), the bf16 moments go on through torch's products with one warning and the path
+    recorded: at the first launch (layer 0's Gram matrix) or at the third (layer 1's cross moment, after
+    its Gram matrix was added: the cross moment alone from torch, the previous layer's parts made from its
+    kept rows) — and still equal float64 moments, to torch's products' 1e-6 (their float32 sums span a
+    batch's rows: 1.7e-7 measured)."""
+    from triton.runtime.errors import OutOfResources
+
+    real, launches = gram.add, []
+
+    def add(out, a, b=None):
+        launches.append(b is None)
+        if len(launches) == fail_at:
+            raise OutOfResources(1 << 20, 1 << 16, "shared memory")
+        real(out, a, b)
+
+    monkeypatch.setattr(gram, "add", add)
+    m = Moments(4, 40, DEVICE, precision="bfloat16", background=False, triton=True)
+    with pytest.warns(RuntimeWarning, match="Triton Gram kernel cannot run .*OutOfResources"):
+        _moments_against_float64(m, cov=1e-6, cross=1e-6)
+    assert not m._triton and len(launches) == fail_at
+    assert m.paths["moments"] == "bfloat16 (torch products: the Triton Gram kernel failed)"
 
 
 @triton_jit
@@ -173,15 +210,27 @@ def test_the_split_rounds_to_the_nearest_bf16_as_a_gpu_converts():
     out = torch.empty_like(x, device=DEVICE)
     _rounded[(1,)](x.to(DEVICE), out, 4096)
     assert torch.equal(out.cpu(), x.bfloat16().float())
-    assert not torch.equal(x[:1024].bfloat16().float(), x[:1024].view(torch.int32).bitwise_and(-65536).view(torch.float32))
+    truncated = x[:1024].view(torch.int32).bitwise_and(-65536).view(torch.float32)
+    assert not torch.equal(x[:1024].bfloat16().float(), truncated)  # the ties tell rounding from truncation
 
 
 def test_a_gpus_bf16_moments_take_the_gram_kernel_unless_asked_not_to(monkeypatch):
-    """gram.wanted: on a GPU where Triton is there, unless $ISO_MOMENTS_GRAM is `torch`; never on a CPU
-    (there the kernel only runs where a caller asks, in Triton's interpreter)."""
+    """gram.wanted: on an NVIDIA GPU of compute capability 8.0 or later (before it Triton's tl.dot has no
+    tensor cores) where Triton is there, unless $ISO_MOMENTS_GRAM is `torch`; never on a CPU (there the
+    kernel only runs where a caller asks, in Triton's interpreter)."""
     monkeypatch.delenv(gram.ENV, raising=False)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     assert gram.wanted(torch.device("cuda")) and not gram.wanted(torch.device("cpu"))
+    capability[0] = (7, 5)
+    assert not gram.wanted(torch.device("cuda"))
+    capability[0] = (8, 0)
+    assert gram.wanted(torch.device("cuda"))
     monkeypatch.setenv(gram.ENV, "torch")
     assert not gram.wanted(torch.device("cuda"))
     assert Moments(2, 8, "cpu", precision="bfloat16", background=False)._triton is False
     assert Moments(2, 8, "cpu", precision="float32", background=False, triton=True)._triton is False
+    monkeypatch.setattr(gram, "FLUSH", gram.BK + 1)
+    with pytest.raises(ValueError, match="multiple of gram.BK"):
+        gram.add(torch.zeros(8, 8, dtype=torch.float64), (torch.ones(2, 8, dtype=torch.bfloat16),
+                                                          torch.ones(2, dtype=torch.bool), torch.zeros(8), False))

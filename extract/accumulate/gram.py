@@ -21,14 +21,27 @@ from . import fused
 
 ENV = "ISO_MOMENTS_GRAM"  # torch: the bf16 moments through torch's products (moments.py) on a GPU too
 
-# The tile, the rows per step and per float32 sum, and the launch (bench/gpu_check.sh's `gram` step
-# times and checks other choices)
-BM, BN, BK, FLUSH, WARPS, STAGES = 128, 128, 64, 256, 8, 3
+# The tile, the rows per step and per float32 sum (a multiple of BK), and the launch: 128 × 64 tiles and
+# 32-row steps keep a program's accumulators and split operands in registers on sm80 and sm90 (64-row
+# steps or 128 × 128 tiles spill: bench/gram_registers.py); bench/gpu_check.sh's `gram` step times others
+BM, BN, BK, FLUSH, WARPS, STAGES = 128, 64, 32, 256, 8, 3
+CAPABILITY = (8, 0)  # older GPUs (sm75 and before) compile tl.dot without tensor cores: torch's products
 
 
 def wanted(device: torch.device) -> bool:
-    """Whether a GPU's bf16 moments take this kernel: Triton is there and $ISO_MOMENTS_GRAM is not `torch`."""
-    return device.type == "cuda" and os.environ.get(ENV, "").strip().lower() != "torch" and fused.available()
+    """Whether a GPU's bf16 moments take this kernel: an NVIDIA GPU of CAPABILITY or later, Triton there,
+    and $ISO_MOMENTS_GRAM not `torch`."""
+    return (device.type == "cuda" and os.environ.get(ENV, "").strip().lower() != "torch" and fused.available()
+            and torch.cuda.get_device_capability(device) >= CAPABILITY)
+
+
+def launch_errors() -> tuple[type[BaseException], ...]:
+    """What a launch raises when this GPU or Triton cannot compile or fit the kernel (before it runs)."""
+    from triton.compiler import errors as compiler
+    from triton.runtime import errors as runtime
+
+    return tuple(e for e in (getattr(runtime, "OutOfResources", None), getattr(runtime, "PTXASError", None),
+                             getattr(compiler, "CompilationError", None)) if e is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,10 +53,13 @@ def _tiles(d: int, bm: int, bn: int, upper: bool, device: str) -> torch.Tensor:
 
 
 def add(out: torch.Tensor, a: tuple, b: tuple | None = None) -> None:
-    """out (d, d) float64 += Σ_rows x_aᵀ x_b — its upper triangle (and the diagonal tiles' lower
-    part) where b is None (x_b = x_a), else in full.  a, b: (h, ok, c, split) per side: h (M, d)
-    bf16 rows, ok (M,) bool, c (d,) float32 centre (zeros for raw rows), split: centred and split
-    rows (x = where(ok, h − c, 0) as hi + lo) or raw ones (x = where(ok, h, 0))."""
+    """out (d, d) float64, contiguous, += Σ_rows x_aᵀ x_b — its upper triangle (and the diagonal tiles'
+    lower part) where b is None (x_b = x_a), else in full.  a, b: (h, ok, c, split) per side: h (M, d)
+    bf16 rows, ok (M,) bool, c (d,) float32 centre (zeros for raw rows), split: centred and split rows
+    (x = where(ok, h − c, 0) as hi + lo) or raw ones (x = where(ok, h, 0)).  Raises one of
+    `launch_errors()` before anything is added where the kernel cannot be compiled or launched."""
+    if FLUSH % BK:
+        raise ValueError(f"gram.FLUSH ({FLUSH}) must be a multiple of gram.BK ({BK})")
     upper = b is None
     b = a if b is None else b
     (ha, oka, ca, sa), (hb, okb, cb, sb) = a, b
@@ -51,9 +67,14 @@ def add(out: torch.Tensor, a: tuple, b: tuple | None = None) -> None:
     if M == 0:
         return
     ha, hb = (h if h.stride(1) == 1 else h.contiguous() for h in (ha, hb))
+    oka, okb, ca, cb = (x.contiguous() for x in (oka, okb, ca, cb))
+    import triton.language as tl
+
     interpret = ha.device.type != "cuda"
     kernel = fused.triton_module(interpret).gram_kernel
     tiles = _tiles(d, BM, BN, upper, str(ha.device))
     launch = {} if interpret else {"num_warps": WARPS, "num_stages": STAGES}
+    # the interpreter multiplies bf16 operands' bit patterns: there the same values go in as float32
+    dot, precision = (tl.float32, "ieee") if interpret else (tl.bfloat16, "tf32")
     kernel[(tiles.numel() // 2,)](ha, ha.stride(0), oka.view(torch.uint8), ca, hb, hb.stride(0), okb.view(torch.uint8),
-                                  cb, tiles, M, out, d, bool(sa), bool(sb), BM, BN, BK, FLUSH, not interpret, **launch)
+                                  cb, tiles, M, out, d, bool(sa), bool(sb), BM, BN, BK, FLUSH, dot, precision, **launch)

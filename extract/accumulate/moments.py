@@ -15,12 +15,12 @@ import torch
 
 from common.errors import UserError
 
-from .background import SideStream, Worker, cpu_plan
 from . import gram
+from .background import SideStream, Worker, cpu_plan
 from .crew import Crew, Task
 from .kernels import reused
 from .matmul import ONEDNN, add_gram_upper, mkl_skips_avx512, mm_bf16, mm_out_dtype, panel_edges
-from .paths import slow_path
+from .paths import first_line, slow_path
 
 PRECISIONS = ("float32", "float64", "bfloat16")  # of the moments' per-batch products
 
@@ -94,7 +94,7 @@ class Moments:
         self._rows = [0] * n_layers  # R: rows fed per layer (host ints: shapes, no sync)
         self._pair_rows = [0] * max(n_layers - 1, 0)
         self._pair_s = torch.zeros(max(n_layers - 1, 0), 2, d, dtype=torch.float64, device=dev)  # s_l, s_m over pair batches
-        self._prev: tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._prev: tuple | None = None  # the previous layer's rows for its cross moment (`_book`, `_add_bf16`)
         self._dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[precision]
         # float32 on a CPU: products of ≤ CHUNK-row chunks, through oneDNN on transposed rows where
         # the CPU has AVX-512 and MKL would not use it (`mkl_skips_avx512`: MKL runs only its AVX2
@@ -183,7 +183,7 @@ class Moments:
                             f"{str(h.dtype).removeprefix('torch.')}: use --moments-precision float32")
         dev = self._s1.device
         h, ok = h.to(dev), ok.to(dev)
-        if self._bf16 and not self._triton and self._out_dtype is None:  # decided once, on the caller's thread (warnings)
+        if self._bf16 and not self._triton and self._out_dtype is None:  # decided once, on the caller's thread
             self._out_dtype = self._tensor_cores and mm_out_dtype(h.device)
             if self._tensor_cores and not self._out_dtype:
                 slow_path(self.paths, "moments", "bfloat16 (float32 products: no mm out_dtype)",
@@ -332,7 +332,6 @@ class Moments:
         self._rows[layer] += M
         if self._split[layer] is None:
             self._decide(layer, h, s, n)
-        parts = None if self._triton else self._parts(layer, h, ok)  # bf16 (M, d) each: (h,) or (hi, lo)
         prev = self._prev if self._cross is not None else None
         paired = prev is not None and prev[0] == layer - 1 and prev[1] == M
         if paired:
@@ -341,21 +340,41 @@ class Moments:
                 both = (prev[2] & ok).unsqueeze(1)  # (M, 1)
                 self._pair_s[layer - 1, 0] += torch.where(both, prev[4], 0).sum(0, dtype=torch.float64)
                 self._pair_s[layer - 1, 1] += torch.where(both, h, 0).sum(0, dtype=torch.float64)
+        gram_done = False  # the Gram matrix added by gram.py's kernel
         if self._triton:  # gram.py: every row of the batch in one kernel per product, parts made inside
             side = (h, ok, self._c[layer], self._split[layer])
-            gram.add(self._s2[layer], side)
-            if paired:
-                gram.add(self._cross[layer - 1], (prev[4], prev[2], self._c[layer - 1], self._split[layer - 1]), side)
-            if self._cross is not None:
-                self._prev = (layer, M, ok, None, h)
-            return
+            try:
+                gram.add(self._s2[layer], side)
+                gram_done = True
+                if paired:
+                    gram.add(self._cross[layer - 1], (prev[4], prev[2], self._c[layer - 1], self._split[layer - 1]),
+                             side)
+                    paired = False
+            except gram.launch_errors() as e:  # raised before the kernel added anything: torch's products
+                self._no_kernel(h.device, e)
+            if self._triton:
+                if self._cross is not None:
+                    self._prev = (layer, M, ok, None, h)
+                return
+        parts = self._parts(layer, h, ok)
         if self._cross is not None:  # this layer's rows (or parts) are kept for the next layer's cross moment
             self._prev = (layer, M, ok, parts, h)
+        prev_parts = (prev[3] if prev[3] is not None else self._parts(layer - 1, prev[4], prev[2])) if paired else None
         for a in range(0, M, self.CHUNK_BF16):
             P = [x[a: a + self.CHUNK_BF16] for x in parts]  # (k, d) each
-            self._add_sym(self._s2[layer], P)
+            if not gram_done:
+                self._add_sym(self._s2[layer], P)
             if paired:
-                self._cross[layer - 1] += self._gram([x[a: a + self.CHUNK_BF16] for x in prev[3]], P)
+                self._cross[layer - 1] += self._gram([x[a: a + self.CHUNK_BF16] for x in prev_parts], P)
+
+    def _no_kernel(self, device: torch.device, e: BaseException) -> None:
+        """gram.py's kernel cannot run here (it raised before adding anything): torch's products from now on,
+        with one warning and the path recorded."""
+        self._triton = False
+        self._out_dtype = self._tensor_cores and mm_out_dtype(device)
+        slow_path(self.paths, "moments", "bfloat16 (torch products: the Triton Gram kernel failed)",
+                  f"--moments-precision bfloat16: the Triton Gram kernel cannot run on {device} "
+                  f"({type(e).__name__}: {first_line(e)}); torch's products instead (ISO_MOMENTS_GRAM=torch skips it)")
 
     SPLIT_RATIO = 1.0  # ‖μ‖²/tr C above which a layer's bf16 rows are centred and split (see _add_bf16)
     # max_i μ_i² / max_i C_ii above which they are too: a few massive dimensions whose mean dominates
@@ -363,7 +382,8 @@ class Moments:
     # covariance error, relative to the largest entry, measured against float64 (docs/views-guide.md,
     # precision): 6.3e-6 on a trained model's layer at a ratio of 7.2, 3e-6–6e-5 on synthetic rows at
     # 25–623; the split rows' 6.5e-7 at every ratio.  Below 8, raw rows stay within 1e-5 on CPUs (a GPU's
-    # tensor cores err more inside one product of CHUNK_BF16 rows: docs/views-guide.md, precision)
+    # tensor cores err more inside one float32 sum, so gram.py's kernel keeps each to gram.FLUSH rows:
+    # docs/views-guide.md, precision)
     SPLIT_DIM_RATIO = 8.0
 
     def _decide(self, layer: int, h: torch.Tensor, s: torch.Tensor, n: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
-"""The Triton kernels of fused.py (its docstring says what each one does and why) and gram.py's
-(the bf16 moments' products), imported by them on first use.  Under TRITON_INTERPRET=1 (set before Triton is imported) they run in Triton's
-interpreter on CPU tensors: that is how the tests run them without a GPU."""
+"""The Triton kernels of fused.py (its docstring says what each one does and why) and of gram.py (the
+bf16 moments' products), imported by them on first use.  Under TRITON_INTERPRET=1 (set before Triton
+is imported) they run in Triton's interpreter on CPU tensors: that is how the tests run them without a
+GPU."""
 
 import triton
 import triton.language as tl
@@ -193,10 +194,10 @@ def bf16_rne(x):
     return bits.to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["M", "sa", "sb"])
+@triton.jit(do_not_specialize=["M"])
 def gram_kernel(a, sa, ok_a, c_a, b, sb, ok_b, c_b, tiles, M, out, D: tl.constexpr, SPLIT_A: tl.constexpr,
                 SPLIT_B: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FLUSH: tl.constexpr,
-                DOT_BF16: tl.constexpr):
+                DOT: tl.constexpr, PRECISION: tl.constexpr):
     t = tl.program_id(0)
     cm = tl.load(tiles + 2 * t) * BM + tl.arange(0, BM)  # the tile's columns of a: rows of the product
     cn = tl.load(tiles + 2 * t + 1) * BN + tl.arange(0, BN)  # its columns of b
@@ -215,29 +216,18 @@ def gram_kernel(a, sa, ok_a, c_a, b, sb, ok_b, c_b, tiles, M, out, D: tl.constex
         xb = tl.load(b + r[:, None].to(tl.int64) * sb + cn[None, :], mask=rm[:, None] & mn[None, :], other=0.0)
         fa = tl.where(oka[:, None], xa.to(tl.float32) - ca[None, :], 0.0)  # (BK, BM) h − c: exact in float32
         fb = tl.where(okb[:, None], xb.to(tl.float32) - cb[None, :], 0.0)  # (BK, BN)
-        ha32 = bf16_rne(fa)  # hi: x rounded to bf16 (x itself for raw rows)
-        hb32 = bf16_rne(fb)
-        ha = ha32.to(tl.bfloat16)  # exact
-        hb = hb32.to(tl.bfloat16)
-        la = bf16_rne(fa - ha32).to(tl.bfloat16)  # lo: x − hi (exact in float32) rounded (0 for raw rows)
-        lb = bf16_rne(fb - hb32).to(tl.bfloat16)
-        if DOT_BF16:  # tensor cores: bf16 operands, float32 accumulation
-            acc = tl.dot(tl.trans(ha), hb, acc)
+        ha = bf16_rne(fa)  # hi: x rounded to bf16 (x itself for raw rows), a float32 holding a bf16 value
+        hb = bf16_rne(fb)
+        # the operands in DOT: bf16 on a GPU (tensor cores, float32 accumulation); float32 in the interpreter,
+        # which multiplies bf16 operands' bit patterns — the same values either way, every product exact
+        acc = tl.dot(tl.trans(ha.to(DOT)), hb.to(DOT), acc, input_precision=PRECISION)
+        if SPLIT_B:  # lo: x − hi (exact in float32) rounded to bf16
+            acc = tl.dot(tl.trans(ha.to(DOT)), bf16_rne(fb - hb).to(DOT), acc, input_precision=PRECISION)
+        if SPLIT_A:
+            la = bf16_rne(fa - ha).to(DOT)
+            acc = tl.dot(tl.trans(la), hb.to(DOT), acc, input_precision=PRECISION)
             if SPLIT_B:
-                acc = tl.dot(tl.trans(ha), lb, acc)
-            if SPLIT_A:
-                acc = tl.dot(tl.trans(la), hb, acc)
-                if SPLIT_B:
-                    acc = tl.dot(tl.trans(la), lb, acc)
-        else:  # the interpreter multiplies bf16 operands' bit patterns: the same values in float32
-            acc = tl.dot(tl.trans(ha32), hb32, acc, input_precision="ieee")
-            if SPLIT_B:
-                acc = tl.dot(tl.trans(ha32), lb.to(tl.float32), acc, input_precision="ieee")
-            if SPLIT_A:
-                la32 = la.to(tl.float32)
-                acc = tl.dot(tl.trans(la32), hb32, acc, input_precision="ieee")
-                if SPLIT_B:
-                    acc = tl.dot(tl.trans(la32), lb.to(tl.float32), acc, input_precision="ieee")
+                acc = tl.dot(tl.trans(la), bf16_rne(fb - hb).to(DOT), acc, input_precision=PRECISION)
         if (k0 + BK) % FLUSH == 0:  # every FLUSH rows the float32 sum goes into the float64 one
             total += acc.to(tl.float64)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
