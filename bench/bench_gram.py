@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,22 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_lean_moments import rows  # noqa: E402
+from bench.bench_lean_moments import float64_covariance, rows, timed  # noqa: E402
 from bench.moments_variants import TorchMoments  # noqa: E402
 from extract.accumulate import gram  # noqa: E402
 from extract.accumulate.moments import Moments  # noqa: E402
 
 DEFAULT = f"{gram.BM}x{gram.BN}x{gram.BK}:{gram.WARPS}:{gram.STAGES}:{gram.FLUSH}"
-
-
-def timed(fn, sync, repeats: int) -> float:
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / repeats * 1e3
 
 
 def main() -> None:
@@ -60,11 +49,7 @@ def main() -> None:
     print(f"{'rows':14} {'config':18} {'gram ms':>8} {'cross ms':>9} {'cov err/max|C|':>15}")
     for kind in ("random", "mean", "massive"):
         h = rows(kind, M, d, dev)
-        exact = Moments(1, d, "cpu", cross=False, precision="float64", background=False)
-        exact.add(0, h.cpu(), ok.cpu())
-        n = float(exact.n[0])
-        mean = exact.s1[0].numpy() / n
-        C64 = exact.s2(0) / n - np.outer(mean, mean)
+        n, mean, C64 = float64_covariance(h, ok)
         for config in ["torch", *args.configs.split(",")]:
             if config != "torch":
                 tile, warps, stages, flush = config.split(":")

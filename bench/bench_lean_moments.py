@@ -58,7 +58,16 @@ def full_products(h: torch.Tensor, S: torch.Tensor, split: bool, c: torch.Tensor
     S += mm_bf16(left.T, right, out)
 
 
-def timed(fn, sync, repeats: int, clock) -> float:
+def float64_covariance(h: torch.Tensor, ok: torch.Tensor) -> tuple[float, np.ndarray, np.ndarray]:
+    """n, the mean (d,) and the covariance (d, d) of the rows h, from float64 moments: the reference."""
+    exact = Moments(1, h.shape[1], "cpu", cross=False, precision="float64", background=False)
+    exact.add(0, h.cpu(), ok.cpu())
+    n = float(exact.n[0])
+    mean = exact.s1[0].numpy() / n
+    return n, mean, exact.s2(0) / n - np.outer(mean, mean)
+
+
+def timed(fn, sync, repeats: int, clock=time.perf_counter) -> float:
     fn()
     sync()
     t0 = clock()
@@ -97,11 +106,7 @@ def main() -> None:
           f"{'cov err/max|C|':>15}")
     for kind in ("random", "mean", "massive"):
         h = rows(kind, M, d, dev)
-        exact = Moments(1, d, "cpu", cross=False, precision="float64", background=False)
-        exact.add(0, h.cpu(), ok.cpu())
-        n = float(exact.n[0])
-        mean = exact.s1[0].numpy() / n
-        C64 = exact.s2(0) / n - np.outer(mean, mean)
+        n, mean, C64 = float64_covariance(h, ok)
         panel_counts = [int(p) for p in args.panels.split(",")]
         for variant, chunk, panels, reduced in ((v, int(c), p, r) for v in args.variants.split(",")
                                                 for c in args.chunks.split(",")
