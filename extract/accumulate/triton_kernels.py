@@ -220,14 +220,17 @@ def gram_kernel(a, sa, ok_a, c_a, b, sb, ok_b, c_b, tiles, M, out, D: tl.constex
         hb = bf16_rne(fb)
         # the operands in DOT: bf16 on a GPU (tensor cores, float32 accumulation); float32 in the interpreter,
         # which multiplies bf16 operands' bit patterns — the same values either way, every product exact
-        acc = tl.dot(tl.trans(ha.to(DOT)), hb.to(DOT), acc, input_precision=PRECISION)
+        ha_t = tl.trans(ha.to(DOT))
+        hb_d = hb.to(DOT)
+        acc = tl.dot(ha_t, hb_d, acc, input_precision=PRECISION)
         if SPLIT_B:  # lo: x − hi (exact in float32) rounded to bf16
-            acc = tl.dot(tl.trans(ha.to(DOT)), bf16_rne(fb - hb).to(DOT), acc, input_precision=PRECISION)
+            lb = bf16_rne(fb - hb).to(DOT)
+            acc = tl.dot(ha_t, lb, acc, input_precision=PRECISION)
         if SPLIT_A:
-            la = bf16_rne(fa - ha).to(DOT)
-            acc = tl.dot(tl.trans(la), hb.to(DOT), acc, input_precision=PRECISION)
+            la_t = tl.trans(bf16_rne(fa - ha).to(DOT))
+            acc = tl.dot(la_t, hb_d, acc, input_precision=PRECISION)
             if SPLIT_B:
-                acc = tl.dot(tl.trans(la), bf16_rne(fb - hb).to(DOT), acc, input_precision=PRECISION)
+                acc = tl.dot(la_t, lb, acc, input_precision=PRECISION)
         if (k0 + BK) % FLUSH == 0:  # every FLUSH rows the float32 sum goes into the float64 one
             total += acc.to(tl.float64)
             acc = tl.zeros((BM, BN), dtype=tl.float32)
