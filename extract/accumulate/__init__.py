@@ -7,6 +7,7 @@ importing only those below it:
 * spill.py — the disk tier: spill runs, their merging (the bound W ≤ 2.5 E), orphan sweeping;
 * kernels.py — the per-layer arithmetic: the compiled GPU step, window sums, the per-window row terms;
 * moments.py — `Moments`: n, Σh, Σhhᵀ and cross moments per layer, in a chosen product precision;
+* by_type.py — layer 0's moments by token type where its rows are the input embedding's (`EmbeddingRows`);
 * matmul.py — the moments' matrix-product back-ends (oneDNN, MKL, bf16 tensor cores);
 * crew.py — `Crew`: a CPU's helper threads that run a layer's token sums and moments while the forward waits;
 * background.py — the executors that run the moments off the forward's path (thread, CUDA stream);
@@ -20,9 +21,10 @@ The per-window measures built on the same pass are `extract/sequences.py`.
 """
 
 from .attention import AttentionSums
+from .by_type import EmbeddingRows
 from .moments import PRECISIONS, Moments
 from .sample import Sample
 from .spill import remove_orphans
 from .sums import TokenSums
 
-__all__ = ["AttentionSums", "PRECISIONS", "Moments", "Sample", "TokenSums", "remove_orphans"]
+__all__ = ["AttentionSums", "EmbeddingRows", "PRECISIONS", "Moments", "Sample", "TokenSums", "remove_orphans"]

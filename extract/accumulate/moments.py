@@ -16,6 +16,7 @@ import torch
 from common.errors import UserError
 
 from . import gram
+from .by_type import TypeCounts
 from .background import SideStream, Worker, cpu_plan
 from .crew import Crew, Task
 from .kernels import reused
@@ -95,6 +96,7 @@ class Moments:
         self._pair_rows = [0] * max(n_layers - 1, 0)
         self._pair_s = torch.zeros(max(n_layers - 1, 0), 2, d, dtype=torch.float64, device=dev)  # s_l, s_m over pair batches
         self._prev: tuple | None = None  # the previous layer's rows for its cross moment (`_book`, `_add_bf16`)
+        self._by_type = TypeCounts()  # layers whose batches were the embedding's rows (`add_by_type`)
         self._dtype = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[precision]
         # float32 on a CPU: products of ≤ CHUNK-row chunks, through oneDNN on transposed rows where
         # the CPU has AVX-512 and MKL would not use it (`mkl_skips_avx512`: MKL runs only its AVX2
@@ -153,6 +155,12 @@ class Moments:
         return self._cross is not None
 
     @property
+    def by_type(self) -> bool:
+        """Whether `add_by_type` may take a batch: the CPU's float32 products, no cross moment (it needs the
+        rows), no background thread (its queue keeps the order of additions)."""
+        return self._chunked and self._cross is None and self._worker is None
+
+    @property
     def n(self) -> torch.Tensor:
         """(L,) vectors counted per layer."""
         self.finish()
@@ -205,6 +213,32 @@ class Moments:
         for task in job.tasks:  # in order on this thread: what the crew runs in parallel (`begin`)
             task.fn()
         self._book(job, ok, s, n)
+
+    def add_by_type(self, layer: int, weight: torch.Tensor, ids: torch.Tensor, ok: torch.Tensor, s: torch.Tensor,
+                    n: torch.Tensor) -> None:
+        """A batch whose rows are weight[ids] (the input embedding's rows, checked by the caller: by_type.py),
+        ids (M,) int64, ok (M,) the rows counted, s and n their Σh and number (as `add`'s): n and Σh now, each
+        type's count of counted rows for the products, which `finish` adds once per type, weighted by its
+        count (`_add_weighted`).  Only where `by_type` says so."""
+        if self._shifted and not self._c_set[layer]:
+            self._centre(layer, s, n)
+        self._n[layer] += n
+        self._s1[layer] += s
+        ids = ids[ok]
+        self._rows[layer] += len(ids)  # R: the weighted rows are the counted ones (no zeroed rows)
+        self._by_type.add(layer, weight, ids)
+        self.paths["moments_by_type"] = f"layer {layer} (its rows are the input embedding's)"
+
+    def _add_weighted(self, layer: int, X: torch.Tensor, w: torch.Tensor) -> None:
+        """Σ_t w_t (x_t − c)(x_t − c)ᵀ over the rows X (U, d), w (U,) their counts, added into the layer's
+        sums: what the counted rows of those types add, each type's product once.  As the rows' own: the
+        upper triangle by row panels, in the products' dtype over ≤ CHUNK rows, each product added into
+        float64 (w_t (x_t − c) rounded once, exact where w_t < 2²⁴ and the dtype is float64)."""
+        c = self._c[layer].to(self._dtype)
+        for a in range(0, len(X), self.CHUNK):
+            x = X[a: a + self.CHUNK].to(self._dtype) - c  # (k, d)
+            xw = x * w[a: a + self.CHUNK, None].to(self._dtype)
+            add_gram_upper(self._s2[layer], lambda p, q: xw[:, p:q].T @ x[:, p:], self._panels)
 
     # ------------------------------------------------------------ a batch's products as tasks
 
@@ -456,9 +490,13 @@ class Moments:
         return out
 
     def finish(self) -> None:
-        """Wait for the queued work (re-raising its error); the sums are complete after."""
+        """Wait for the queued work (re-raising its error) and add the products by type; the sums are
+        complete after."""
         if self._worker is not None:
             self._worker.wait()
+        with torch.inference_mode():  # the sums may be inference tensors (made in the forward loop's mode)
+            for layer, X, w in self._by_type.take():
+                self._add_weighted(layer, X, w)
 
     def close(self) -> None:
         """Stop the background thread or the crew (always call; idempotent)."""

@@ -39,6 +39,7 @@ from . import fused as fused_kernels
 from .kernels import (change_distance, change_norms, change_sum_norm, change_sums, chunk_terms, compiled_layer_step,
                       opposite_norm, reused, run_compiled, unit_means, window_sums)
 from .crew import Task
+from .by_type import EmbeddingRows
 from .moments import Moments
 from .paths import first_line, slow_path
 from .sample import Sample
@@ -109,6 +110,7 @@ class TokenSums:
         self.sample: Sample | None = None
         self.extra = None  # optional WindowMeasures (extract/sequences.py)
         self.attention = None  # optional AttentionSums (attention.py), fed by the attention capture
+        self.layer0: EmbeddingRows | None = None  # the input embedding's rows: layer 0's moments by type (by_type.py)
 
     # ------------------------------------------------------------ slots (the table and its tiers)
 
@@ -228,6 +230,7 @@ class TokenSums:
         counted_np = counted.reshape(-1).numpy()
         sel_np = np.flatnonzero(counted_np)  # (M,)
         ids = input_ids.reshape(-1).numpy()[sel_np].astype(np.int64)  # (M,)
+        self._ids = torch.from_numpy(ids)
         slots = self._assign(ids)
         sel = self._h2d(sel_np)
         B, T = input_ids.shape
@@ -438,10 +441,14 @@ class TokenSums:
         products (`Moments.begin`), while the forward waits.  h: (M, d) the counted rows, index: (M,)
         their slots."""
         moments = self.moments
-        job = moments.begin(layer, h) if moments is not None else None  # None: no crew, or not yet
+        by_type = layer == 0 and self.layer0 is not None and moments is not None and moments.by_type and \
+            self.layer0.match(h, self._ids)
+        job = moments.begin(layer, h) if moments is not None and not by_type else None  # None: no crew, or not yet
         if job is None:
             h, ok, m, n_w, terms = self._sums_chunked(layer, h, index)
-            if moments is not None:  # Σh from the window sums: the moments need not sum the rows again
+            if by_type:  # the embedding's rows: counted by type, their products when the sums are read
+                moments.add_by_type(layer, self.layer0.weight, self._ids, ok, s=m.sum(0), n=ok.sum())
+            elif moments is not None:  # Σh from the window sums: the moments need not sum the rows again
                 moments.add(layer, h, ok, s=m.sum(0), n=ok.sum())
         else:  # on the crew's threads: the same one-thread arithmetic whichever thread runs it
             out = []

@@ -20,7 +20,7 @@ from common import faults
 from common.errors import UserError
 from common.progress import progress
 
-from ..accumulate import AttentionSums, Moments, Sample, TokenSums
+from ..accumulate import AttentionSums, EmbeddingRows, Moments, Sample, TokenSums
 from ..architectures import get_module
 from ..attention import attention_plan, capture_attention
 from ..hooks import capture_layers, layer_kinds
@@ -70,6 +70,7 @@ def new_accumulator(loaded: Loaded, settings: Settings, budget: int) -> TokenSum
         if settings.moments:
             acc.moments = Moments(len(kinds), d, settings.accumulator_device or settings.device,
                                   cross=settings.cross_moments, precision=settings.moments_precision)
+            acc.layer0 = EmbeddingRows(emb.weight)  # layer 0's moments by token type where its rows are the embedding's
         if settings.sequences:  # on the moments' background thread where there is one (same order)
             acc.extra = WindowMeasures(len(kinds), d, settings.accumulator_device or settings.device,
                                        precision=settings.moments_precision, prompt_entropy=settings.prompt_entropy,
