@@ -7,6 +7,7 @@ goes the per-token way, and so does every batch after it."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from conftest import one_thread
@@ -102,23 +103,68 @@ def test_layer_zero_by_type_equals_float64_and_the_per_token_path():
 
 
 def test_a_batch_that_is_not_the_embeddings_rows_goes_per_token_and_so_do_the_rest():
+    """Reads in the middle of the run (the types' products added then, later batches' at the next read), a
+    batch whose layer 0 is not the embedding's rows (per token from there on, the centre set by the first
+    batch kept), sums made in inference mode and read outside it; a cross moment keeps layer 0 per token."""
     rng = torch.Generator().manual_seed(1)
     E = torch.randn(V, D, generator=rng) + 2.0
-    batches = _batches(E, rng, shifted=2)
+    batches = _batches(E, rng, shifted=3)
     with one_thread():
-        acc, products = _run(batches, E, 1, by_type=True)
+        with torch.inference_mode():  # as --split-by makes its sums
+            acc = TokenSums(L, V, D, "cpu")
+            acc.moments = Moments(L, D, "cpu", cross=False, background=False)
+        acc.layer0 = EmbeddingRows(E)
+        products, job = [], acc.moments._job
+        acc.moments._job = lambda layer, *a, **k: (products.append(layer), job(layer, *a, **k))[1]
         crossed, crossed_products = _run(batches, E, 1, by_type=True, cross=True)
     try:
-        assert products.count(0) == 3  # batches 0 and 1 by type; 2 is not the embedding's rows, nor checked after
+        for k, (ids, counted, hs) in enumerate(batches):
+            with torch.inference_mode():
+                acc.set_batch(ids, counted)
+                for layer, h in enumerate(hs):
+                    acc.add(layer, h)
+            if k in (1, 2, 4):  # read after batches 0–1, 2 (by type), 3–4 (per token)
+                exact = _exact(batches[: k + 1], 0)
+                assert np.abs(acc.moments.s2(0) - exact).max() <= 1e-6 * np.abs(exact).max(), k
+                assert int(acc.moments.n[0]) == sum(int(c.sum()) for _, c, _ in batches[: k + 1])
+        assert products.count(0) == 2  # batches 0–2 by type; 3 is not the embedding's rows, nor is 4 checked
         assert acc.layer0.checking is False
-        exact = _exact(batches, 0)
-        assert np.abs(acc.moments.s2(0) - exact).max() <= 1e-6 * np.abs(exact).max()
-        assert int(acc.moments.n[0]) == sum(int(c.sum()) for _, c, _ in batches)
+        assert acc.moments.paths["moments_by_type"] == ("layer 0: its first 3 batches by type (their rows were the "
+                                                        "input embedding's), the rest per token")
         assert crossed_products.count(0) == 5  # a cross moment needs layer 0's rows
         assert "moments_by_type" not in crossed.moments.paths
     finally:
         acc.close()
         crossed.close()
+
+
+def test_a_failure_while_the_types_products_are_added_adds_nothing(monkeypatch):
+    """An error in the middle of the types' products (e.g. out of memory) leaves the sums as they were and
+    the counts pending: a later read adds them whole."""
+    from extract.accumulate import by_type
+
+    rng = torch.Generator().manual_seed(2)
+    E = torch.randn(V, D, generator=rng) + 1.0
+    batches = _batches(E, rng)
+    with one_thread():
+        acc, _ = _run(batches, E, 1, by_type=True)
+    calls, real = [], by_type.add_gram_upper
+
+    def fail_twice(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("simulated")
+        return real(*a)
+
+    monkeypatch.setattr(by_type, "add_gram_upper", fail_twice)
+    monkeypatch.setattr(acc.moments, "CHUNK", 16)  # several chunks of types: the error comes after one added
+    try:
+        with pytest.raises(MemoryError):
+            acc.moments.s2(0)
+        exact = _exact(batches, 0)
+        assert np.abs(acc.moments.s2(0) - exact).max() <= 1e-6 * np.abs(exact).max()
+    finally:
+        acc.close()
 
 
 def test_type_counts_and_the_exact_check():
@@ -135,6 +181,9 @@ def test_type_counts_and_the_exact_check():
     counts = TypeCounts()
     counts.add(0, E, torch.tensor([2, 2]))
     counts.add(0, E, torch.tensor([3, 0, 2]))  # longer than the first: the counts grow
-    (layer, X, w), = counts.take()
-    assert layer == 0 and w.tolist() == [1, 3, 1] and torch.equal(X, E[[0, 2, 3]])
-    assert not counts and list(counts.take()) == []
+    (layer, weight, types, w), = counts.pending()
+    assert layer == 0 and torch.equal(weight, E) and types.tolist() == [0, 2, 3] and w.tolist() == [1, 3, 1]
+    assert counts.batches == {0: 2} and counts.describe(0) == "layer 0 (its rows are the input embedding's)"
+    assert counts.describe(1) is None
+    counts.drop(0)
+    assert counts.pending() == []

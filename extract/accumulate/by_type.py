@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from .matmul import add_gram_upper
+
 
 def embedding_rows(h: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> bool:
     """Whether the rows h (M, d) are exactly weight[ids] (weight (V, d), ids (M,) int64)."""
@@ -39,14 +41,13 @@ class EmbeddingRows:
 
 
 class TypeCounts:
-    """Per layer taken by type: the embedding's weight and each token type's count of counted rows,
-    pending until `take`."""
+    """Per layer taken by type: the embedding's weight, each token type's count of counted rows and the
+    batches counted, pending until their products are added (`pending`, then `drop`)."""
 
     def __init__(self):
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer → (weight, counts (V′,) int64)
-
-    def __bool__(self) -> bool:
-        return bool(self._pending)
+        self.batches: dict[int, int] = {}  # layer → batches taken by type in the run
+        self._mixed: set[int] = set()  # layers with batches per token after some by type
 
     def add(self, layer: int, weight: torch.Tensor, ids: torch.Tensor) -> None:
         """Count one batch's rows of `layer`, each the row weight[id] for id in ids (M,) int64."""
@@ -58,11 +59,44 @@ class TypeCounts:
             old[: len(counts)] += counts
             counts = old
         self._pending[layer] = (weight.detach(), counts)  # a model's parameter: no graph when the sums are read
+        self.batches[layer] = self.batches.get(layer, 0) + 1
 
-    def take(self):
-        """Each pending layer's (layer, rows X (U, d), counts w (U,) int64) over the types counted, then
-        nothing pending."""
-        pending, self._pending = self._pending, {}
-        for layer, (weight, counts) in pending.items():
+    def describe(self, layer: int, per_token: bool = False) -> str | None:
+        """The code path's line for `layer`, None where no batch of it went by type; `per_token`: a batch of
+        it goes per token now (after some went by type: a later batch was not the embedding's rows)."""
+        k = self.batches.get(layer, 0)
+        if not k:
+            return None
+        if per_token:
+            self._mixed.add(layer)
+        if layer in self._mixed:
+            return f"layer {layer}: its first {k} batches by type (their rows were the input embedding's), the rest per token"
+        return f"layer {layer} (its rows are the input embedding's)"
+
+    def pending(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Each pending layer's (layer, weight, ids (U,) of the types counted, their counts (U,) int64); they
+        stay pending until `drop`."""
+        out = []
+        for layer, (weight, counts) in self._pending.items():
             ids = counts.nonzero().squeeze(1)  # (U,)
-            yield layer, weight.index_select(0, ids.to(weight.device)), counts[ids]
+            out.append((layer, weight, ids, counts[ids]))
+        return out
+
+    def drop(self, layer: int) -> None:
+        """The layer's pending counts are in the sums now."""
+        del self._pending[layer]
+
+
+def weighted_gram(weight: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, c: torch.Tensor, chunk: int,
+                  panels: int) -> torch.Tensor:
+    """Σ_t w_t (x_t − c)(x_t − c)ᵀ, (d, d) float64, upper triangle (below it partly filled, never read), over
+    the types ids (U,), x_t = weight[t], w (U,) their counts: what the counted rows of those types add to
+    the moments' shifted sums, each type's product once.  As the rows' own products: in c's dtype by row
+    panels over ≤ `chunk` types (w_t (x_t − c) rounded once), each added into float64.  The rows are
+    gathered `chunk` at a time: no copy of the embedding."""
+    S = torch.zeros(c.shape[0], c.shape[0], dtype=torch.float64, device=c.device)
+    for a in range(0, len(ids), chunk):
+        x = weight.index_select(0, ids[a: a + chunk].to(weight.device)).to(c.dtype) - c  # (k, d)
+        xw = x * w[a: a + chunk, None].to(c.dtype)
+        add_gram_upper(S, lambda p, q: xw[:, p:q].T @ x[:, p:], panels)
+    return S

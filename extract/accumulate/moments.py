@@ -16,7 +16,7 @@ import torch
 from common.errors import UserError
 
 from . import gram
-from .by_type import TypeCounts
+from .by_type import TypeCounts, weighted_gram
 from .background import SideStream, Worker, cpu_plan
 from .crew import Crew, Task
 from .kernels import reused
@@ -219,7 +219,7 @@ class Moments:
         """A batch whose rows are weight[ids] (the input embedding's rows, checked by the caller: by_type.py),
         ids (M,) int64, ok (M,) the rows counted, s and n their Σh and number (as `add`'s): n and Σh now, each
         type's count of counted rows for the products, which `finish` adds once per type, weighted by its
-        count (`_add_weighted`).  Only where `by_type` says so."""
+        count (`weighted_gram`).  Only where `by_type` says so."""
         if self._shifted and not self._c_set[layer]:
             self._centre(layer, s, n)
         self._n[layer] += n
@@ -227,18 +227,7 @@ class Moments:
         ids = ids[ok]
         self._rows[layer] += len(ids)  # R: the weighted rows are the counted ones (no zeroed rows)
         self._by_type.add(layer, weight, ids)
-        self.paths["moments_by_type"] = f"layer {layer} (its rows are the input embedding's)"
-
-    def _add_weighted(self, layer: int, X: torch.Tensor, w: torch.Tensor) -> None:
-        """Σ_t w_t (x_t − c)(x_t − c)ᵀ over the rows X (U, d), w (U,) their counts, added into the layer's
-        sums: what the counted rows of those types add, each type's product once.  As the rows' own: the
-        upper triangle by row panels, in the products' dtype over ≤ CHUNK rows, each product added into
-        float64 (w_t (x_t − c) rounded once, exact where w_t < 2²⁴ and the dtype is float64)."""
-        c = self._c[layer].to(self._dtype)
-        for a in range(0, len(X), self.CHUNK):
-            x = X[a: a + self.CHUNK].to(self._dtype) - c  # (k, d)
-            xw = x * w[a: a + self.CHUNK, None].to(self._dtype)
-            add_gram_upper(self._s2[layer], lambda p, q: xw[:, p:q].T @ x[:, p:], self._panels)
+        self.paths["moments_by_type"] = self._by_type.describe(layer)
 
     # ------------------------------------------------------------ a batch's products as tasks
 
@@ -265,6 +254,8 @@ class Moments:
         panel of the upper triangle (`panel_edges`) and of the cross moment summed over the chunks in
         order, so each entry's float64 additions come in one order whoever runs which panel."""
         M, d = h.shape
+        if (line := self._by_type.describe(layer, per_token=True)) is not None:  # earlier batches went by type
+            self.paths["moments_by_type"] = line
         buf = reused(self._bufs, layer % 2, (M * d,), self._dtype, h.device)
         T = self._nt is not None
         step = self.CHUNK if self._chunked else max(M, 1)
@@ -495,8 +486,10 @@ class Moments:
         if self._worker is not None:
             self._worker.wait()
         with torch.inference_mode():  # the sums may be inference tensors (made in the forward loop's mode)
-            for layer, X, w in self._by_type.take():
-                self._add_weighted(layer, X, w)
+            for layer, weight, ids, w in self._by_type.pending():  # the sums take each layer's whole, or nothing
+                self._s2[layer] += weighted_gram(weight, ids, w, self._c[layer].to(self._dtype), self.CHUNK,
+                                                 self._panels)
+                self._by_type.drop(layer)
 
     def close(self) -> None:
         """Stop the background thread or the crew (always call; idempotent)."""

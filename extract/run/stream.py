@@ -177,6 +177,8 @@ def accumulate_source(loaded: Loaded, source: Source, settings: Settings, result
                 capture_attention(plan, acc.attention.add if plan is not None else None):
             for batch in made:
                 bar.update(forward_batch(forward, acc, batch, salt, result))
+            if acc.moments is not None:  # the work left for the end (a queue's tail, the products by type)
+                acc.moments.finish()
         bar.close()
         result.seconds = time.perf_counter() - start
         result.documents = stats.documents - result.unread
@@ -273,6 +275,10 @@ def accumulate_split(loaded: Loaded, source: Source, settings: Settings) -> list
                     run(part, batch)
         bar.close()
         for value, part in parts.items():
+            if part.acc.moments is not None:  # the work left for the end, in the value's seconds
+                t = time.perf_counter()
+                part.acc.moments.finish()
+                part.result.seconds += time.perf_counter() - t
             part.result.documents -= part.result.unread
             part.result.filtered = stats.rows - stats.value_rows.get(value, 0)
             _finish(part.result, part.acc, stats)
