@@ -1,6 +1,6 @@
 """Batches and comparisons shared by the accumulator tests (test_gpu_path.py, test_triton.py,
-test_accumulate.py): random batches with padding, NaN and zero vectors; feeding several accumulators
-the same batches; two accumulators' tables and per-layer sums compared."""
+test_accumulate.py, test_crew.py, test_by_type.py): random batches with padding, NaN and zero vectors;
+feeding several accumulators the same batches; two accumulators' tables and per-layer sums compared."""
 
 from __future__ import annotations
 
@@ -50,3 +50,12 @@ def assert_same(eager: TokenSums, other: TokenSums, L: int, names=None) -> None:
             assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), name
         else:
             assert torch.equal(a, b), name
+
+
+def assert_identical(a: TokenSums, b: TokenSums, L: int) -> None:
+    """The token tables and every per-layer sum of two accumulators equal bit for bit."""
+    for layer in range(L):
+        (ca, sa), (cb, sb) = a.dense(layer), b.dense(layer)
+        assert torch.equal(ca, cb) and torch.equal(sa, sb), layer
+    for name in a.layer_sums():
+        assert torch.equal(getattr(a, name), getattr(b, name)), name

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from accumulator_batches import assert_identical
 from conftest import one_thread
 from extract.accumulate.by_type import EmbeddingRows, TypeCounts, embedding_rows
 from extract.accumulate.moments import Moments
@@ -81,12 +82,7 @@ def test_layer_zero_by_type_equals_float64_and_the_per_token_path():
         assert torch.equal(mt.n, mp.n) and torch.equal(mt.s1, mp.s1)
         assert typed.zero[0] > 0 and torch.equal(typed.zero, plain.zero)
         assert typed.nonfinite[0] > 0 and torch.equal(typed.nonfinite, plain.nonfinite)
-        for layer in range(L):
-            ca, sa = typed.dense(layer)
-            cb, sb = plain.dense(layer)
-            assert torch.equal(ca, cb) and torch.equal(sa, sb), layer
-        for name in typed.layer_sums():
-            assert torch.equal(getattr(typed, name), getattr(plain, name)), name
+        assert_identical(typed, plain, L)
         for layer in range(1, L):  # the other layers: the same products
             assert np.array_equal(mt.s2(layer), mp.s2(layer)), layer
         exact = _exact(batches, 0)

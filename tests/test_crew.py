@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from accumulator_batches import assert_identical
 from common.errors import UserError
 from common.openmp import SPIN, short_spin
 from conftest import ROOT, one_thread
@@ -124,12 +125,7 @@ def test_token_sums_and_moments_on_the_crew_equal_one_thread_in_order_bit_for_bi
                     rows[layer].append(torch.where(torch.isfinite(r).all(1, keepdim=True), r, 0.0))
         # the first batch of each layer and the NaN batch's layer 1 went the plain way, the rest on the crew
         assert plain == [0, 1, 2, 1] and len(runs) == 3 * L
-        for layer in range(L):
-            ca, sa = crewed.dense(layer)
-            cb, sb = alone.dense(layer)
-            assert torch.equal(ca, cb) and torch.equal(sa, sb), layer
-        for name in crewed.layer_sums():
-            assert torch.equal(getattr(crewed, name), getattr(alone, name)), name
+        assert_identical(crewed, alone, L)
         mc, ma = crewed.moments, alone.moments
         assert torch.equal(mc.n, ma.n) and torch.equal(mc.s1, ma.s1) and torch.equal(mc.n_pair, ma.n_pair)
         assert mc.n.tolist() == [sum(int((r != 0).any(1).sum()) for r in rows[layer]) for layer in range(L)]
