@@ -16,8 +16,8 @@ import torch
 from common.errors import UserError
 
 from . import gram
-from .by_type import TypeCounts, weighted_gram
 from .background import SideStream, Worker, cpu_plan
+from .by_type import TypeCounts, weighted_gram
 from .crew import Crew, Task
 from .kernels import reused
 from .matmul import ONEDNN, add_gram_upper, mkl_skips_avx512, mm_bf16, mm_out_dtype, panel_edges
