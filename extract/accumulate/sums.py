@@ -89,6 +89,7 @@ class TokenSums:
         self._chunk_bufs = None  # the CPU path's float64 chunk buffers (`_buffers`)
         self._row_bufs = [None, None]  # the CPU path's gathered rows, layers alternating (`_gather`)
         self._batch = None
+        self._ids = None  # (M,) int64 the batch's counted token ids (`set_batch`), for layer 0 by type
         self._nxt = None  # (B·T,) the positions' next counted positions (`set_batch`, compiled step with `extra`)
         # On a GPU, a few compiled kernels per layer (norm; scale + scatter-add; per-window
         # reductions) instead of ~15 eager ones, the float64 û never written to memory: `layer_step`.
