@@ -15,6 +15,7 @@ from conftest import one_thread
 from extract.accumulate.by_type import EmbeddingRows, TypeCounts, embedding_rows
 from extract.accumulate.moments import Moments
 from extract.accumulate.sums import TokenSums
+from extract.run.stream import code_paths
 
 D, L, V = 64, 3, 40
 
@@ -76,8 +77,8 @@ def test_layer_zero_by_type_equals_float64_and_the_per_token_path():
     try:
         assert 0 not in typed_products and 1 in typed_products  # layer 0 never multiplied per token
         assert plain_products.count(0) == 5
-        assert typed.moments.paths["moments_by_type"] == "layer 0 (its rows are the input embedding's)"
-        assert "moments_by_type" not in plain.moments.paths
+        assert code_paths(typed)["moments_by_type"] == "layer 0 (its rows are the input embedding's)"
+        assert typed.layer0.batches == 5 and "moments_by_type" not in code_paths(plain)
         mt, mp = typed.moments, plain.moments
         assert torch.equal(mt.n, mp.n) and torch.equal(mt.s1, mp.s1)
         assert typed.zero[0] > 0 and torch.equal(typed.zero, plain.zero)
@@ -124,11 +125,11 @@ def test_a_batch_that_is_not_the_embeddings_rows_goes_per_token_and_so_do_the_re
                 assert np.abs(acc.moments.s2(0) - exact).max() <= 1e-6 * np.abs(exact).max(), k
                 assert int(acc.moments.n[0]) == sum(int(c.sum()) for _, c, _ in batches[: k + 1])
         assert products.count(0) == 2  # batches 0–2 by type; 3 is not the embedding's rows, nor is 4 checked
-        assert acc.layer0.checking is False
-        assert acc.moments.paths["moments_by_type"] == ("layer 0: its first 3 batches by type (their rows were the "
-                                                        "input embedding's), the rest per token")
+        assert acc.layer0.checking is False and acc.layer0.batches == 3
+        assert code_paths(acc)["moments_by_type"] == ("layer 0: its first 3 batches by type (their rows were the "
+                                                      "input embedding's), the rest per token")
         assert crossed_products.count(0) == 5  # a cross moment needs layer 0's rows
-        assert "moments_by_type" not in crossed.moments.paths
+        assert "moments_by_type" not in code_paths(crossed)
     finally:
         acc.close()
         crossed.close()
@@ -179,7 +180,5 @@ def test_type_counts_and_the_exact_check():
     counts.add(0, E, torch.tensor([3, 0, 2]))  # longer than the first: the counts grow
     (layer, weight, types, w), = counts.pending()
     assert layer == 0 and torch.equal(weight, E) and types.tolist() == [0, 2, 3] and w.tolist() == [1, 3, 1]
-    assert counts.batches == {0: 2} and counts.describe(0) == "layer 0 (its rows are the input embedding's)"
-    assert counts.describe(1) is None
     counts.drop(0)
     assert counts.pending() == []

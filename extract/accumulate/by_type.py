@@ -26,28 +26,37 @@ def embedding_rows(h: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor) -> 
 
 
 class EmbeddingRows:
-    """The input embedding's weight (V, d), and whether batches are still checked against it: a batch whose
-    layer-0 rows are not its rows stops the checks for the rest of the run (a model whose first hidden
-    state is no embedding row fails them all, and checks once)."""
+    """The input embedding's weight (V, d), whether batches are still checked against it, and how many
+    matched: a batch whose layer-0 rows are not its rows stops the checks for the rest of the run (a model
+    whose first hidden state is no embedding row fails them all, and checks once)."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
         self.checking = True
+        self.batches = 0  # batches whose layer-0 rows were the embedding's
 
     def match(self, h: torch.Tensor, ids: torch.Tensor) -> bool:
         """Whether this batch's layer-0 rows h (M, d) are weight[ids], ids (M,) int64."""
         self.checking = self.checking and embedding_rows(h, self.weight, ids)
+        self.batches += self.checking
         return self.checking
+
+    def path(self) -> str | None:
+        """The run's code path for layer 0's moments, None where no batch went by type."""
+        if not self.batches:
+            return None
+        if self.checking:
+            return "layer 0 (its rows are the input embedding's)"
+        return (f"layer 0: its first {self.batches} batches by type (their rows were the input embedding's), "
+                "the rest per token")
 
 
 class TypeCounts:
-    """Per layer taken by type: the embedding's weight, each token type's count of counted rows and the
-    batches counted, pending until their products are added (`pending`, then `drop`)."""
+    """Per layer taken by type: the embedding's weight and each token type's count of counted rows,
+    pending until their products are added (`pending`, then `drop`)."""
 
     def __init__(self):
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer → (weight, counts (V′,) int64)
-        self.batches: dict[int, int] = {}  # layer → batches taken by type in the run
-        self._mixed: set[int] = set()  # layers with batches per token after some by type
 
     def add(self, layer: int, weight: torch.Tensor, ids: torch.Tensor) -> None:
         """Count one batch's rows of `layer`, each the row weight[id] for id in ids (M,) int64."""
@@ -59,19 +68,6 @@ class TypeCounts:
             old[: len(counts)] += counts
             counts = old
         self._pending[layer] = (weight.detach(), counts)  # a model's parameter: no graph when the sums are read
-        self.batches[layer] = self.batches.get(layer, 0) + 1
-
-    def describe(self, layer: int, per_token: bool = False) -> str | None:
-        """The code path's line for `layer`, None where no batch of it went by type; `per_token`: a batch of
-        it goes per token now (after some went by type: a later batch was not the embedding's rows)."""
-        k = self.batches.get(layer, 0)
-        if not k:
-            return None
-        if per_token:
-            self._mixed.add(layer)
-        if layer in self._mixed:
-            return f"layer {layer}: its first {k} batches by type (their rows were the input embedding's), the rest per token"
-        return f"layer {layer} (its rows are the input embedding's)"
 
     def pending(self) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Each pending layer's (layer, weight, ids (U,) of the types counted, their counts (U,) int64); they

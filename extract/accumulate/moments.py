@@ -227,7 +227,6 @@ class Moments:
         ids = ids[ok]
         self._rows[layer] += len(ids)  # R: the weighted rows are the counted ones (no zeroed rows)
         self._by_type.add(layer, weight, ids)
-        self.paths["moments_by_type"] = self._by_type.describe(layer)
 
     # ------------------------------------------------------------ a batch's products as tasks
 
@@ -254,8 +253,6 @@ class Moments:
         panel of the upper triangle (`panel_edges`) and of the cross moment summed over the chunks in
         order, so each entry's float64 additions come in one order whoever runs which panel."""
         M, d = h.shape
-        if (line := self._by_type.describe(layer, per_token=True)) is not None:  # earlier batches went by type
-            self.paths["moments_by_type"] = line
         buf = reused(self._bufs, layer % 2, (M * d,), self._dtype, h.device)
         T = self._nt is not None
         step = self.CHUNK if self._chunked else max(M, 1)

@@ -147,7 +147,9 @@ def code_paths(acc: TokenSums) -> dict[str, str]:
     """The code paths a source's sums took (a slower one also warned when it was taken)."""
     if acc.moments is not None:
         acc.moments.finish()  # its background thread decides each layer's rows at the layer's first batch
+    by_type = acc.layer0.path() if acc.layer0 is not None else None  # layer 0's moments (by_type.py)
     return {**acc.paths, **(acc.moments.paths if acc.moments is not None else {}),
+            **({"moments_by_type": by_type} if by_type is not None else {}),
             **(acc.attention.paths if acc.attention is not None else {})}
 
 
