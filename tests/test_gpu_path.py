@@ -216,7 +216,7 @@ def test_background_batches_and_no_mask_without_padding_give_identical_sums(fami
         assert any(old[6]) and (size == 1) == all(old[6])  # some batches had no padding (all, one window each)
         by_type = {"moments_by_type": "layer 0 (its rows are the input embedding's)"} if family == "gpt_neox" else {}
         assert new[5].paths == {"layer_step": "eager", "scatter": "atomic", "moments": old[5].paths["moments"],
-                                **by_type}  # BERT's layer 0 adds position embeddings and a LayerNorm: not by type
+                                "cpu_rows": "numba", **by_type}  # BERT's layer 0 adds position embeddings and a LayerNorm: not by type
 
 
 def synthetic(ratio: float, d: int, rows: int, L: int, batch: int, seed: int):
@@ -357,7 +357,7 @@ def test_doctor_measures_checks_and_saves_a_report(model_factory, sources, tmp_p
     assert rep["bare_tok_s"] > 0 and rep["default_tok_s"] > 0 and rep["ratio"] > 0 and rep["peak_memory_bytes"] > 0
     assert rep["paths"] == {"layer_step": "eager", "scatter": "atomic", "moments": "float32 (centred, oneDNN)"
                             if matmul.ONEDNN is not None and matmul.mkl_skips_avx512() else "float32 (centred)",
-                            "moments_by_type": "layer 0 (its rows are the input embedding's)"}
+                            "moments_by_type": "layer 0 (its rows are the input embedding's)", "cpu_rows": "numba"}
     assert rep["check"]["token_sums_max_rel_error"] <= 1e-12 and rep["check"]["moments_covariance_max_rel_error"] <= 1e-5
     assert rep["versions"]["torch"] and "ratio" in err and "saved:" in err
     assert "doctor: warm-up: one bare forward pass" in err and "alternating the bare forward" in err  # never silent

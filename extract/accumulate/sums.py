@@ -12,9 +12,10 @@ once.
 
 **The hot path** (`add`, per layer and batch) takes one of four forms, the same sums: on a GPU
 fused.py's Triton kernels (every per-layer sum of the default pass), else (--sequences, $ISO_TRITON
-off, or where Triton fails) the compiled `layer_step` (kernels.py); on a CPU `_add_chunked`, the
-eager arithmetic CHUNK rows at a time on one float64 copy of each chunk (bit-identical to the general
-path, less memory traffic); else the general eager path (a GPU without the compiler, `--sample`, or an accumulator on another
+off, or where Triton fails) the compiled `layer_step` (kernels.py); on a CPU `_add_chunked`: float32
+rows in one compiled pass (cpu_kernels.py, Numba; the same float64 sums to ~1e-16 per addition),
+others CHUNK rows at a time on one float64 copy of each chunk (chunk_sums.py: bit-identical to the
+general path, less memory traffic); else the general eager path (a GPU without the compiler, `--sample`, or an accumulator on another
 device than the model, where a per-batch partial over the batch's distinct tokens is summed on the
 model's device first and folded in).
 
@@ -35,9 +36,9 @@ import torch
 
 from common.errors import UserError
 
-from . import fused as fused_kernels
-from .kernels import (change_distance, change_norms, change_sum_norm, change_sums, chunk_terms, compiled_layer_step,
-                      opposite_norm, reused, run_compiled, unit_means, window_sums)
+from . import cpu_kernels, fused as fused_kernels
+from .kernels import change_norms, change_sums, compiled_layer_step, reused, run_compiled, unit_means, window_sums
+from .chunk_sums import ChunkBuffers, chunk_sums
 from .crew import Task
 from .by_type import EmbeddingRows
 from .moments import Moments
@@ -86,7 +87,7 @@ class TokenSums:
         self.change_cos = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
         self.change_angle = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
         self._prev = None  # (layer, its rows, their 1/‖h‖) of the batch's last layer added (`_prev_rows`)
-        self._chunk_bufs = None  # the CPU path's float64 chunk buffers (`_buffers`)
+        self._chunk_bufs = ChunkBuffers()  # the eager CPU path's float64 chunk buffers
         self._row_bufs = [None, None]  # the CPU path's gathered rows, layers alternating (`_gather`)
         self._batch = None
         self._ids = None  # (M,) int64 the batch's counted token ids (`set_batch`), for layer 0 by type
@@ -436,7 +437,7 @@ class TokenSums:
         return torch.index_select(flat, 0, sel, out=out)
 
     def _add_chunked(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> None:
-        """The CPU path of `add`: the token sums (`_sums_chunked`), then the moments and the per-window
+        """The CPU path of `add`: the token sums (`_sums_rows`), then the moments and the per-window
         measures of the same rows, each given Σh and n from the token sums' window sums.  Where the
         moments have a crew (crew.py) the token sums run on it beside the moments' chunk copies and
         products (`Moments.begin`), while the forward waits.  h: (M, d) the counted rows, index: (M,)
@@ -446,7 +447,7 @@ class TokenSums:
             self.layer0.match(h, self._ids)
         job = moments.begin(layer, h) if moments is not None and not by_type else None  # None: no crew, or not yet
         if job is None:
-            h, ok, m, n_w, terms = self._sums_chunked(layer, h, index)
+            h, ok, m, n_w, terms = self._sums_rows(layer, h, index)
             if by_type:  # the embedding's rows: counted by type, their products when the sums are read
                 moments.add_by_type(layer, self.layer0.weight, self._ids, ok, s=m.sum(0), n=ok.sum())
             elif moments is not None:  # Σh from the window sums: the moments need not sum the rows again
@@ -455,98 +456,53 @@ class TokenSums:
             out = []
 
             def token_sums():
-                r = self._sums_chunked(layer, h, index)
+                r = self._sums_rows(layer, h, index)
                 out.append((*r, r[2].sum(0), r[1].sum()))  # ... and the moments' Σh and n
 
+            # the copies first (every product waits for them), then the token sums beside the first products;
             # a crew with more helpers than the moments' tasks gives the rest to the token sums
-            moments.crew.run([Task(token_sums, threads=max(1, moments.crew.size - len(job.tasks))), *job.tasks])
+            first = [t for t in job.tasks if not t.after]
+            moments.crew.run([*first, Task(token_sums, threads=max(1, moments.crew.size - len(job.tasks))),
+                              *(t for t in job.tasks if t.after)])
             h, ok, m, n_w, terms, s, n = out[0]
             moments.end(job, h, ok, s, n)
         if self.extra is not None:
             self.extra.add(layer, h, ok, m, n_w, terms=terms)
 
-    def _sums_chunked(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> tuple:
-        """The token sums of `_add_chunked`: the same float64 arithmetic as the general path (the norm of the
-        exact upcast, û = h · (1/‖h‖), the same index-adds in the same row order, so Σû, Σh and the
-        counts are bit-identical to it), done CHUNK rows at a time in place on one float64 copy of
-        the chunk: one upcast per row instead of three (the norm's, the product's and Σh's type
-        promotions each upcast all M rows) and no (M, d) float64 temporary, so each pass reads
-        cache instead of memory.  With `extra` (--sequences) the per-window measures' `row_terms` are
-        taken from the same chunks (each chunk upcast with the previous chunk's last two rows, for
-        the velocities across the boundary), so WindowMeasures does not read the rows again — unless
-        it runs on the moments' background thread (`WINDOW_TERMS`).  Returns the rows (zeroed where
-        not ok), ok (M,), the window sums Σh (B, d) and counts (B,), and the row terms (or None)."""
-        M, d = h.shape
-        win, n_win, _, n_w = self._windows
-        f64 = torch.float64
-        m = torch.zeros(n_win, d, dtype=f64)  # Σh per window
-        u = torch.zeros(n_win, d, dtype=f64)  # Σû per window
-        u2 = torch.zeros(d, dtype=f64)  # Σû² per dimension
-        S = self.sums[layer]
-        finites, oks, excluded = [], [], False  # per chunk: its finite rows, its finite non-zero rows (c,)
-        invs, change = [], []  # per chunk: 1/‖h‖ (0 where excluded); ‖û_prev − û‖ (`change_distance`)
+    def _sums_rows(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> tuple:
+        """The token sums of `_add_chunked`: the rows' sums (cpu_kernels.py's compiled pass over float32 rows,
+        else chunk_sums.py's eager chunks), then the rest (`_fold_rows`).  Returns the rows (zeroed where
+        not ok), ok (M,), the window sums Σh (B, d) and counts (B,), and the per-window measures' row
+        terms (or None)."""
+        win, n_win, _, _ = self._windows
         prev = self._prev_rows(layer, self._batch[0])
-        up, cb = self._buffers(d)
-        fuse = self.extra is not None and (self.WINDOW_TERMS if self.WINDOW_TERMS is not None
-                                           else self.extra.worker is None)
-        terms = [] if fuse else None  # per chunk: `row_terms` of its rows
-        for a in range(0, M, self.CHUNK):
-            b = min(a + self.CHUNK, M)
-            o = 2 if terms is not None and a > 0 else 0  # the per-window terms: 2 rows of the previous chunk
-            xe = up[: b - a + o]  # (o + c, d) exact upcast into the reused buffer, never h itself (the
-            xe.copy_(h[a - o:b])  # moments read h later)
-            x = xe[o:]  # (c, d) this chunk's rows
-            norm = torch.linalg.vector_norm(x, dim=1)  # (c,) float64
-            inv = norm.reciprocal()
-            finite = torch.isfinite(norm)
-            ok = finite & (norm > 0)  # (c,)
-            finites.append(finite)
-            oks.append(ok)
-            if not bool(ok.all()):  # NaN/inf or zero vectors are zeroed out, counted below (the CPU: no sync to fear)
-                excluded = True
-                x.masked_fill_(~ok.unsqueeze(1), 0)
-                inv = torch.where(ok, inv, 0.0)
-            if terms is not None:  # the per-window measures' terms from the rows in cache (before û)
-                terms.append(chunk_terms(xe, o, b == M))
-            m.index_add_(0, win[a:b], x)
-            x.mul_(inv.unsqueeze(1))  # û
-            invs.append(inv)
-            if prev is not None:  # the change from the previous layer's rows of the chunk, upcast exactly
-                pe = cb[: b - a]  # into the second buffer (float64 throughout: the same bits as the mixed-dtype
-                pe.copy_(prev[0][a:b])  # product, without its per-call float64 copy)
-                change.append(change_distance(pe, prev[1][a:b], x, out=pe))
-            u.index_add_(0, win[a:b], x)
-            S.index_add_(0, index[a:b], x)
-            u2 += x.mul_(x).sum(0)
-        ok = torch.cat(oks)  # (M,)
-        counts = self._ones
-        if excluded:
-            counts, n_w = self._exclude(layer, torch.cat(finites), ok, win, n_win)
+        if self._compiled_rows(h):
+            m, u, u2, inv, ok, finite, change, terms = cpu_kernels.layer_sums(h, index, win, n_win, self.sums[layer],
+                                                                             prev)
+        else:  # --sequences: its `row_terms` from the same chunks, unless it runs on the moments' background thread
+            fuse = self.extra is not None and (self.WINDOW_TERMS if self.WINDOW_TERMS is not None
+                                               else self.extra.worker is None)
+            m, u, u2, inv, ok, finite, change, terms = chunk_sums(h, index, win, n_win, self.sums[layer], prev,
+                                                                  self.CHUNK, self._chunk_bufs, fuse)
+        counts, n_w = self._ones, self._windows[3]
+        if finite is not None:  # rows left out: counted, zeroed
+            counts, n_w = self._exclude(layer, finite, ok, win, n_win)
             h = h.masked_fill(~ok.unsqueeze(1), 0)
-        inv = torch.cat(invs)  # (M,)
-        if prev is not None:  # `change_norms`' values, summed over all M rows at once as the general path does
-            minus = torch.cat(change)  # (M,)
-            plus = opposite_norm(minus)
-            far = (minus * minus > 2.0).nonzero().squeeze(1)  # rows beyond π/2: ‖a + x‖ from their rows
-            if len(far):
-                x = h.index_select(0, far).to(f64) * inv.index_select(0, far).unsqueeze(1)  # their û, as above
-                plus[far] = change_sum_norm(prev[0].index_select(0, far), prev[1].index_select(0, far), x)
-            self._add_change(layer - 1, *change_sums(minus, plus, ok & (prev[1] > 0)))
+        if change is not None:
+            self._add_change(layer - 1, *change_sums(*change, ok & (prev[1] > 0)))
         self._keep(layer, h, inv)
         self.counts[layer].index_add_(0, index, counts)
         self._window_stats(layer, m, u, n_w, u2)
-        if terms is not None:  # (M,) each, the chunks' pieces joined
-            terms = tuple(torch.cat(t) for t in zip(*terms))
         return h, ok, m, n_w, terms
 
-    def _buffers(self, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The CPU path's two float64 chunk buffers, (CHUNK + 2, d) for the upcast rows and (CHUNK, d)
-        for the previous layer's, made once: a fresh (CHUNK, d) float64 tensor per chunk is a fresh
-        mapping of memory whose first writes fault page by page, which cost more than the arithmetic."""
-        if self._chunk_bufs is None or self._chunk_bufs[1].shape != (self.CHUNK, d):
-            self._chunk_bufs = (torch.empty(self.CHUNK + 2, d, dtype=torch.float64),
-                                torch.empty(self.CHUNK, d, dtype=torch.float64))
-        return self._chunk_bufs
+    def _compiled_rows(self, h: torch.Tensor) -> bool:
+        """Whether these rows' token sums take cpu_kernels.py's compiled pass: float32 rows, no per-window
+        terms to take from them (--sequences), the kernel there (its absence recorded once)."""
+        if h.dtype != torch.float32 or self.extra is not None:
+            return False
+        if "cpu_rows" not in self.paths:
+            self.paths["cpu_rows"] = "numba" if cpu_kernels.available() else f"eager ({cpu_kernels.error()})"
+        return self.paths["cpu_rows"] == "numba"
 
     def _window_stats(self, layer, m, u, n_w, u2) -> None:
         """Fold one batch's per-window sums m = Σh (B, d), u = Σû (B, d), n_w (B,) and Σû² (d,)."""

@@ -18,6 +18,7 @@ from common.errors import UserError
 from warehouse import merge, query, store
 from warehouse.storage import UncertainWrite, open_storage
 
+from ..accumulate import cpu_kernels
 from ..memory import limit_malloc_arenas, release_memory
 from ..models import DTYPES, Loaded, ModelRef, check_dtype, check_local, load, model_identity, to_compute
 from ..sources import Source, fingerprint, split_source
@@ -115,6 +116,8 @@ def _checkpoint(run: _Run, checkpoint: str, manifest: dict) -> list[SourceResult
         merge.check_open(manifest, ref.name, checkpoint)  # before hours of forward passes
     data_todo = [] if settings.params_only else todo
     check_coverage(manifest, ref, checkpoint, data_todo, settings, run.prints, None)  # shards and files: before loading
+    if not settings.params_only and str(settings.accumulator_device or settings.device).startswith("cpu"):
+        cpu_kernels.warm()  # the CPU's compiled token sums, loaded while the model loads
     t0 = time.perf_counter()
     loaded = (load(ref, checkpoint, DTYPES[settings.dtype], settings.device, settings.trust_remote_code,
                    settings.modules) if run.loader is None else run.loader(ref, checkpoint))
