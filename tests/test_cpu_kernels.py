@@ -4,6 +4,7 @@ eager chunks (chunk_sums.py), and the way back to the eager chunks where Numba i
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -135,31 +136,86 @@ def test_the_compiled_pass_equals_the_float64_definition_and_the_eager_chunks(mo
         assert torch.equal(getattr(compiled, name), getattr(eager, name)), name
 
 
-@pytest.mark.parametrize("why", ["missing", "broken"])
+@pytest.mark.parametrize("why", ["missing", "broken", "nojit"])
 def test_without_the_kernel_the_eager_chunks_run_and_the_run_says_why(monkeypatch, why):
-    """No Numba (its import fails) or a kernel that gives a wrong sum on the known input: the token sums
-    take the eager chunks, bit for bit as with $ISO_CPU_KERNELS=off, and the code path says why."""
+    """No Numba (its import fails), a kernel that gives wrong sums on the known input, or NUMBA_DISABLE_JIT
+    (the kernel would run as Python, ~1000× slower): the token sums take the eager chunks, bit for bit as
+    with $ISO_CPU_KERNELS=off (which warns nothing), the code path says why and one warning says so."""
+    from extract.accumulate import numba_rows
+
     batches = _batches()
     monkeypatch.setenv(cpu_kernels.ENV, "off")
-    off = _feed(TokenSums(L, V, d, "cpu", fused=False), batches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for: no warning
+        off = _feed(TokenSums(L, V, d, "cpu", fused=False), batches)
     monkeypatch.delenv(cpu_kernels.ENV)
     monkeypatch.setattr(cpu_kernels, "_state", {})
-
-    def missing():
-        raise ImportError("No module named 'numba'")
-
-    def broken():
-        return lambda *args: 0  # adds nothing
-
-    monkeypatch.setattr(cpu_kernels, "_compile", missing if why == "missing" else broken)
-    acc = _feed(TokenSums(L, V, d, "cpu", fused=False), batches)
-    assert acc.paths["cpu_rows"] == ("eager (ImportError: No module named 'numba')" if why == "missing" else
-                                     "eager (RuntimeError: the compiled token sums gave a wrong sum on a known input)")
+    if why == "missing":
+        def build(cache):
+            raise ImportError("No module named 'numba'")
+        monkeypatch.setattr(numba_rows, "build", build)
+    elif why == "broken":
+        monkeypatch.setattr(numba_rows, "build", lambda cache: lambda *args: 0)  # adds nothing
+    else:
+        monkeypatch.setattr(numba_rows.numba.config, "DISABLE_JIT", True)
+    with pytest.warns(RuntimeWarning, match="compiled token sums are not available"):
+        acc = _feed(TokenSums(L, V, d, "cpu", fused=False), batches)
+    assert acc.paths["cpu_rows"] == {
+        "missing": "eager (ImportError: No module named 'numba')",
+        "broken": "eager (RuntimeError: the compiled token sums gave a wrong sum on a known input)",
+        "nojit": "eager (RuntimeError: NUMBA_DISABLE_JIT is set (the kernel would run as Python))"}[why]
     for layer in range(L):
         (c1, s1), (c2, s2) = off.dense(layer), acc.dense(layer)
         assert torch.equal(c1, c2) and torch.equal(s1, s2)
     for name in ("sum_h", "sum_u2", "window_cos", "change_cos", "change_angle", "sum_ubar"):
         assert torch.equal(getattr(off, name), getattr(acc, name)), name
+
+
+def test_a_cache_that_cannot_be_used_compiles_for_the_run(monkeypatch):
+    """Where the kernel's disk cache cannot be written or read (a read-only install, a damaged file), the
+    kernel is compiled for the process alone: the compiled sums, and the path says so."""
+    from extract.accumulate import numba_rows
+
+    build = numba_rows.build
+
+    def no_cache(cache):
+        if cache:
+            raise RuntimeError("cannot cache function 'token_rows_py': no locator available for file")
+        return build(cache)
+
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(numba_rows, "build", no_cache)
+    batches = _batches()
+    acc = _feed(TokenSums(L, V, d, "cpu", fused=False), batches)
+    assert acc.paths["cpu_rows"] == ("numba (compiled for this run: RuntimeError: cannot cache function "
+                                     "'token_rows_py': no locator available for file)")
+    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(numba_rows, "build", build)
+    cached = _feed(TokenSums(L, V, d, "cpu", fused=False), batches)
+    assert cached.paths["cpu_rows"] == "numba"
+    for layer in range(L):
+        (c1, s1), (c2, s2) = cached.dense(layer), acc.dense(layer)
+        assert torch.equal(c1, c2) and torch.equal(s1, s2)
+
+
+def test_indices_out_of_range_raise_instead_of_writing_past_the_table():
+    """The compiled kernel does not check its indices: its wrapper does (a slot or window out of range, the
+    previous layer's rows of another shape) and raises before anything is added."""
+    fn = cpu_kernels.kernel()
+    h = torch.ones(3, 4)
+    S = torch.zeros(2, 4, dtype=torch.float64)
+    win = torch.zeros(3, dtype=torch.int64)
+    for slots in (torch.tensor([0, 1, 2]), torch.tensor([0, -1, 1])):
+        with pytest.raises(ValueError, match="out of range"):
+            cpu_kernels.layer_sums(fn, h, slots, win, 1, S, None)
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kernels.layer_sums(fn, h, torch.zeros(3, dtype=torch.int64), torch.tensor([0, 1, 1]), 1, S, None)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_kernels.layer_sums(fn, h, torch.zeros(3, dtype=torch.int64), win, 1, S,
+                               (torch.ones(2, 4), torch.ones(2, dtype=torch.float64)))
+    assert not S.any()
+    cpu_kernels.layer_sums(fn, h, torch.tensor([0, 1, 1]), win, 1, S, None)
+    assert S[1].tolist() == [1.0] * 4 and S[0].tolist() == [0.5] * 4
 
 
 def test_warm_loads_the_kernel_on_a_thread_once(monkeypatch):

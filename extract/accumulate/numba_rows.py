@@ -1,55 +1,35 @@
-"""The compiled token-sum kernel of cpu_kernels.py, at module level so that Numba caches its machine code
-(imported only there, on first use: Numba's import and compilation are paid only by CPU extracts)."""
+"""The compiled token-sum kernel of cpu_kernels.py (imported only there, on first use: Numba's import and
+compilation are paid only by CPU extracts).  `build(cache)` compiles `token_rows_py` with Numba, its
+machine code cached on disk (beside this file, else in Numba's user cache) or not."""
 
 from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
-from numba import njit
 
 
-@njit(nogil=True, cache=True, fastmath={"reassoc"})
-def sum_sq(h, r, d):
-    """Σ_j h[r, j]² in float64 (reassociated: vectorised)."""
-    acc = 0.0
-    for j in range(d):
-        x = np.float64(h[r, j])
-        acc += x * x
-    return acc
-
-
-@njit(nogil=True, cache=True, fastmath={"reassoc"})
-def change(h, r, inv, p, pinv, d):
-    """(‖a − x‖², ‖a + x‖²) in float64 for row r: x = h[r] · inv, a = p[r] · pinv."""
-    minus = 0.0
-    plus = 0.0
-    for j in range(d):
-        a = np.float64(p[r, j]) * pinv
-        x = np.float64(h[r, j]) * inv
-        minus += (x - a) * (x - a)
-        plus += (x + a) * (x + a)
-    return minus, plus
-
-
-@njit(nogil=True, cache=True)
-def token_rows(h, slots, win, S, m, u, u2, inv, ok, p, pinv, minus, plus):
-    """cpu_kernels.token_rows's arithmetic (arguments as there; p of 0 rows: no previous layer).
-    Returns the rows not ok."""
+def token_rows_py(h, slots, win, S, m, u, u2, inv, ok, p, pinv, minus, plus, has_prev):
+    """cpu_kernels.token_rows's arithmetic (arguments as there).  Returns the rows not ok.  Compiled with
+    reassociated float64 sums (the norms' and the change's: vectorised); nothing else is reordered."""
     M, d = h.shape
-    has_prev = p.shape[0] == M
     bad = 0
     for r in range(M):
-        norm = math.sqrt(sum_sq(h, r, d))
-        good = math.isfinite(norm) and norm > 0.0
-        ok[r] = good
-        if not good:
+        acc = 0.0
+        for j in range(d):
+            x = np.float64(h[r, j])
+            acc += x * x
+        norm = math.sqrt(acc)
+        if not (math.isfinite(norm) and norm > 0.0):
+            ok[r] = False
             inv[r] = 0.0
             bad += 1
             if has_prev:
                 minus[r] = 0.0
                 plus[r] = 0.0
             continue
+        ok[r] = True
         q = 1.0 / norm
         inv[r] = q
         w = win[r]
@@ -62,7 +42,22 @@ def token_rows(h, slots, win, S, m, u, u2, inv, ok, p, pinv, minus, plus):
             S[s, j] += y
             u2[j] += y * y
         if has_prev:
-            a, b = change(h, r, q, p, pinv[r], d)
-            minus[r] = math.sqrt(a)
-            plus[r] = math.sqrt(b)
+            pq = pinv[r]
+            a2 = 0.0
+            b2 = 0.0
+            for j in range(d):
+                a = np.float64(p[r, j]) * pq
+                y = np.float64(h[r, j]) * q
+                a2 += (y - a) * (y - a)
+                b2 += (y + a) * (y + a)
+            minus[r] = math.sqrt(a2)
+            plus[r] = math.sqrt(b2)
     return bad
+
+
+def build(cache: bool):
+    """`token_rows_py` compiled (nogil: the crew's other helper runs beside it), cached on disk or not.
+    Raises where Numba would not compile it (NUMBA_DISABLE_JIT: it would run as Python)."""
+    if numba.config.DISABLE_JIT:
+        raise RuntimeError("NUMBA_DISABLE_JIT is set (the kernel would run as Python)")
+    return numba.njit(nogil=True, cache=cache, fastmath={"reassoc"})(token_rows_py)

@@ -88,6 +88,7 @@ class TokenSums:
         self.change_angle = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
         self._prev = None  # (layer, its rows, their 1/‖h‖) of the batch's last layer added (`_prev_rows`)
         self._chunk_bufs = ChunkBuffers()  # the eager CPU path's float64 chunk buffers
+        self._rows_kernel = None  # the compiled token sums (`_compiled_rows`)
         self._row_bufs = [None, None]  # the CPU path's gathered rows, layers alternating (`_gather`)
         self._batch = None
         self._ids = None  # (M,) int64 the batch's counted token ids (`set_batch`), for layer 0 by type
@@ -477,8 +478,8 @@ class TokenSums:
         win, n_win, _, _ = self._windows
         prev = self._prev_rows(layer, self._batch[0])
         if self._compiled_rows(h):
-            m, u, u2, inv, ok, finite, change, terms = cpu_kernels.layer_sums(h, index, win, n_win, self.sums[layer],
-                                                                             prev)
+            m, u, u2, inv, ok, finite, change, terms = cpu_kernels.layer_sums(self._rows_kernel, h, index, win, n_win,
+                                                                             self.sums[layer], prev)
         else:  # --sequences: its `row_terms` from the same chunks, unless it runs on the moments' background thread
             fuse = self.extra is not None and (self.WINDOW_TERMS if self.WINDOW_TERMS is not None
                                                else self.extra.worker is None)
@@ -497,12 +498,21 @@ class TokenSums:
 
     def _compiled_rows(self, h: torch.Tensor) -> bool:
         """Whether these rows' token sums take cpu_kernels.py's compiled pass: float32 rows, no per-window
-        terms to take from them (--sequences), the kernel there (its absence recorded once)."""
+        terms to take from them (--sequences), the kernel there — decided once (recorded; its absence,
+        unless $ISO_CPU_KERNELS=off asked for it, also said once in a warning)."""
         if h.dtype != torch.float32 or self.extra is not None:
             return False
         if "cpu_rows" not in self.paths:
-            self.paths["cpu_rows"] = "numba" if cpu_kernels.available() else f"eager ({cpu_kernels.error()})"
-        return self.paths["cpu_rows"] == "numba"
+            self._rows_kernel = cpu_kernels.kernel()
+            why = cpu_kernels.uncached() if self._rows_kernel is not None else cpu_kernels.error()
+            if self._rows_kernel is not None:
+                self.paths["cpu_rows"] = "numba" if why is None else f"numba (compiled for this run: {why})"
+            elif cpu_kernels.wanted():
+                slow_path(self.paths, "cpu_rows", f"eager ({why})", f"the CPU's compiled token sums are not "
+                          f"available ({why}); using the eager path (slower, same sums)")
+            else:
+                self.paths["cpu_rows"] = f"eager ({why})"
+        return self._rows_kernel is not None
 
     def _window_stats(self, layer, m, u, n_w, u2) -> None:
         """Fold one batch's per-window sums m = Σh (B, d), u = Σû (B, d), n_w (B,) and Σû² (d,)."""

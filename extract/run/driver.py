@@ -14,6 +14,8 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from common.errors import UserError
 from warehouse import merge, query, store
 from warehouse.storage import UncertainWrite, open_storage
@@ -116,8 +118,9 @@ def _checkpoint(run: _Run, checkpoint: str, manifest: dict) -> list[SourceResult
         merge.check_open(manifest, ref.name, checkpoint)  # before hours of forward passes
     data_todo = [] if settings.params_only else todo
     check_coverage(manifest, ref, checkpoint, data_todo, settings, run.prints, None)  # shards and files: before loading
-    if not settings.params_only and str(settings.accumulator_device or settings.device).startswith("cpu"):
-        cpu_kernels.warm()  # the CPU's compiled token sums, loaded while the model loads
+    if not settings.params_only and str(settings.accumulator_device or settings.device).startswith("cpu") \
+            and DTYPES[settings.dtype] == torch.float32:
+        cpu_kernels.warm()  # the CPU's compiled token sums (float32 rows), loaded while the model loads
     t0 = time.perf_counter()
     loaded = (load(ref, checkpoint, DTYPES[settings.dtype], settings.device, settings.trust_remote_code,
                    settings.modules) if run.loader is None else run.loader(ref, checkpoint))
