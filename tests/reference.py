@@ -225,3 +225,10 @@ def alpha_req_numpy(eigenvalues: np.ndarray, n: int = 10**9) -> float | None:
     x, y, w = np.log(k[keep]), np.log(eigenvalues[keep]), np.sqrt(1.0 / k[keep])
     slope, _ = np.linalg.lstsq(np.stack([x, np.ones_like(x)], 1) * w[:, None], y * w, rcond=None)[0]
     return -slope
+
+
+def layer_change(a: np.ndarray, b: np.ndarray) -> tuple[int, float, float]:
+    """The layer change between two layers' rows of the same tokens (n, d) each, by its definition in float64:
+    (n, Σ cos(a_i, b_i), Σ arccos(cos)/π)."""
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return len(a), float(cos.sum()), float((np.arccos(np.clip(cos, -1, 1)) / np.pi).sum())

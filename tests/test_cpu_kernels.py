@@ -3,13 +3,13 @@ eager chunks (chunk_sums.py), and the way back to the eager chunks where Numba i
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import numpy as np
 import pytest
 import torch
 
+import reference as ref
 from extract.accumulate import cpu_kernels
 from extract.accumulate.sums import TokenSums
 
@@ -83,12 +83,8 @@ def _definition(batches) -> dict:
                     want["windows"][layer] += 1
         for layer in range(L - 1):
             both = oks[layer] & oks[layer + 1]
-            a, b = X[layer][both], X[layer + 1][both]
-            cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-            c = want["change"][layer]
-            c[0] += int(both.sum())
-            c[1] += cos.sum()
-            c[2] += (np.arccos(np.clip(cos, -1, 1)) / math.pi).sum()
+            for k, v in enumerate(ref.layer_change(X[layer][both], X[layer + 1][both])):
+                want["change"][layer][k] += v
     return want
 
 

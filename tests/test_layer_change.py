@@ -77,12 +77,8 @@ def _definition(batches, L: int, d: int) -> dict:
                     u[2] += ubar @ ubar
             if layer + 1 < L:
                 both = ok[layer] & ok[layer + 1]
-                a, b = H[layer][both], H[layer + 1][both]
-                cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-                c = out["change"][layer]
-                c[0] += int(both.sum())
-                c[1] += cos.sum()
-                c[2] += (np.arccos(np.clip(cos, -1, 1)) / np.pi).sum()
+                for k, v in enumerate(ref.layer_change(H[layer][both], H[layer + 1][both])):
+                    out["change"][layer][k] += v
     return out
 
 
