@@ -1,4 +1,4 @@
-"""The CPU's token sums of one layer in one pass over its rows, compiled with Numba (`token_rows`).
+"""The CPU's token sums of one layer in one pass over its rows, compiled with Numba (`layer_sums`).
 
 What it adds, per counted row r (float32 rows, upcast exactly to float64): ‖h‖, û = h · (1/‖h‖), and
 into float64 sums Σh and Σû of the row's window, Σû of its token type's slot in the table, Σû² per
@@ -6,8 +6,9 @@ dimension; with the previous layer's rows, ‖û_prev − û‖ and ‖û_prev +
 norm of its float64 differences or sums).  A row whose norm is not finite or is zero adds nothing and
 is marked not ok.  The eager path (chunk_sums.py) makes the same sums with ~15 torch
 operations per chunk, each a pass over the chunk; here each row is read from memory once (then from
-the cache: its norm, its four sums, the change), without float64 temporaries.  The sums are the same to ~1e-16 relative
-per addition (the norms' float64 sums are taken in another order; both exact upcasts and float64).
+the cache: its norm, its four sums, the change), without float64 temporaries.  The sums are the same to
+~1e-16 relative per addition (the norms' float64 sums are taken in another order; both exact upcasts and
+float64).
 
 Numba compiles on first use (~1 s) and caches the machine code beside numba_rows.py (or in its user
 cache where that is read-only; where no cache can be written or read, it compiles for the process
@@ -67,7 +68,7 @@ def _resolve() -> None:
 
 
 def kernel():
-    """The compiled `token_rows`, or None (no Numba, it failed, or $ISO_CPU_KERNELS is off); compiled or
+    """The compiled kernel (numba_rows.py), or None (no Numba, it failed, or $ISO_CPU_KERNELS is off); compiled or
     loaded from the cache once per process, by whichever thread asks first."""
     if not wanted():
         return None

@@ -11,7 +11,9 @@ import numpy as np
 
 
 def token_rows_py(h, slots, win, S, m, u, u2, inv, ok, p, pinv, minus, plus, has_prev):
-    """cpu_kernels.token_rows's arithmetic (arguments as there).  Returns the rows not ok.  Compiled with
+    """The arithmetic of cpu_kernels.layer_sums (arguments as its call there: the rows, their slots and
+    windows, the table, the window sums Σh and Σû, Σû², and per row 1/‖h‖, ok, the change's two norms
+    to the previous layer's rows p · pinv where has_prev).  Returns the rows not ok.  Compiled with
     reassociated float64 sums (the norms' and the change's: vectorised); nothing else is reordered."""
     M, d = h.shape
     bad = 0

@@ -15,9 +15,9 @@ fused.py's Triton kernels (every per-layer sum of the default pass), else (--seq
 off, or where Triton fails) the compiled `layer_step` (kernels.py); on a CPU `_add_chunked`: float32
 rows in one compiled pass (cpu_kernels.py, Numba; the same float64 sums to ~1e-16 per addition),
 others CHUNK rows at a time on one float64 copy of each chunk (chunk_sums.py: bit-identical to the
-general path, less memory traffic); else the general eager path (a GPU without the compiler, `--sample`, or an accumulator on another
-device than the model, where a per-batch partial over the batch's distinct tokens is summed on the
-model's device first and folded in).
+general path, less memory traffic); else the general eager path (a GPU without the compiler,
+`--sample`, or an accumulator on another device than the model, where a per-batch partial over the
+batch's distinct tokens is summed on the model's device first and folded in).
 
 **Exactness.**  Sums are split, never rounded: a type's final sum is its partial sums added in
 float64, oldest tier first (disk runs in the order written and merged, then the host tier, then the
@@ -472,7 +472,8 @@ class TokenSums:
 
     def _sums_rows(self, layer: int, h: torch.Tensor, index: torch.Tensor) -> tuple:
         """The token sums of `_add_chunked`: the rows' sums (cpu_kernels.py's compiled pass over float32 rows,
-        else chunk_sums.py's eager chunks), then the rest (`_fold_rows`).  Returns the rows (zeroed where
+        else chunk_sums.py's eager chunks), then the rest: rows left out counted and zeroed, the layer change,
+        the rows kept for the next layer, the counts, the window statistics.  Returns the rows (zeroed where
         not ok), ok (M,), the window sums Σh (B, d) and counts (B,), and the per-window measures' row
         terms (or None)."""
         win, n_win, _, _ = self._windows
@@ -480,7 +481,7 @@ class TokenSums:
         if self._compiled_rows(h):
             m, u, u2, inv, ok, finite, change, terms = cpu_kernels.layer_sums(self._rows_kernel, h, index, win, n_win,
                                                                              self.sums[layer], prev)
-        else:  # --sequences: its `row_terms` from the same chunks, unless it runs on the moments' background thread
+        else:  # the eager chunks; with --sequences its `row_terms` from them (unless on the moments' background thread)
             fuse = self.extra is not None and (self.WINDOW_TERMS if self.WINDOW_TERMS is not None
                                                else self.extra.worker is None)
             m, u, u2, inv, ok, finite, change, terms = chunk_sums(h, index, win, n_win, self.sums[layer], prev,
