@@ -6,7 +6,8 @@
 # leaves device time to rerun a step; GPU_CHECK_STEPS (default: all) the steps to run, by name.  Steps,
 # most important first, each with its own time limit and skipped once the deadline is near:
 #   env        the GPU, torch and Triton versions; carried wheels (.whl/: duckdb, zstandard, pysbd) installed
-#              where the machine lacks them (no package index needed)
+#              where the machine lacks them (no package index needed); Numba is not needed: the GPU's sums do
+#              not use it, and a CPU accumulator without it takes the eager path (recorded, one warning)
 #   p14        Pythia-1.4B shape (d 2,048, 24 blocks, V 50,304; 8 × 2,048 tokens, random bf16 weights): bare
 #              forward against the default pass (the Triton token-sum kernels, --triton, + bf16 moments through
 #              gram.py's Triton kernel), interleaved batch by batch; one batch's top kernels; the sums checked
