@@ -15,31 +15,19 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import change_distance, change_sum_norm, chunk_terms, opposite_norm
-
-
-class ChunkBuffers:
-    """The two float64 chunk buffers, (chunk + 2, d) for the upcast rows and (chunk, d) for the previous
-    layer's, made once: a fresh (chunk, d) float64 tensor per chunk is a fresh mapping of memory whose
-    first writes fault page by page, which cost more than the arithmetic."""
-
-    def __init__(self):
-        self._bufs = None
-
-    def get(self, chunk: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._bufs is None or self._bufs[1].shape != (chunk, d):
-            self._bufs = (torch.empty(chunk + 2, d, dtype=torch.float64), torch.empty(chunk, d, dtype=torch.float64))
-        return self._bufs
+from .kernels import change_distance, change_sum_norm, chunk_terms, opposite_norm, reused
 
 
 def chunk_sums(h: torch.Tensor, index: torch.Tensor, win: torch.Tensor, n_win: int, S: torch.Tensor, prev,
-               chunk: int, bufs: ChunkBuffers, terms: bool) -> tuple:
+               chunk: int, bufs: list, terms: bool) -> tuple:
     """Add one layer's rows into S (slots, d) float64 at `index` (M,) and return the rest of its sums:
     (m, u (n_win, d) float64 Σh and Σû per window `win` (M,), u2 (d,) Σû², inv (M,) 1/‖h‖ (0 where
     excluded), ok (M,) finite and non-zero, finite (M,) or None where every row is ok, the change to the
     previous layer (‖a − x‖, ‖a + x‖) (M,) each or None, the row terms or None).  h: (M, d) the rows (not
     written: the moments read them later); prev: (rows (M, d), 1/‖h‖ (M,)) of the previous layer or None;
-    terms: take the per-window measures' `row_terms` from the chunks."""
+    bufs: two slots for the float64 chunk buffers kept between calls (`reused`: a fresh (chunk, d) tensor per
+    chunk is a fresh mapping whose first writes fault page by page); terms: take the per-window measures'
+    `row_terms` from the chunks."""
     M, d = h.shape
     f64 = torch.float64
     m = torch.zeros(n_win, d, dtype=f64)  # Σh per window
@@ -47,7 +35,8 @@ def chunk_sums(h: torch.Tensor, index: torch.Tensor, win: torch.Tensor, n_win: i
     u2 = torch.zeros(d, dtype=f64)  # Σû² per dimension
     finites, oks, excluded = [], [], False  # per chunk: its finite rows, its finite non-zero rows (c,)
     invs, change = [], []  # per chunk: 1/‖h‖ (0 where excluded); ‖û_prev − û‖ (`change_distance`)
-    up, cb = bufs.get(chunk, d)
+    up = reused(bufs, 0, (chunk + 2, d), f64, h.device)  # the upcast rows (2 more: the per-window terms)
+    cb = reused(bufs, 1, (chunk, d), f64, h.device)  # the previous layer's rows, upcast
     row_terms = [] if terms else None  # per chunk: `row_terms` of its rows
     for a in range(0, M, chunk):
         b = min(a + chunk, M)

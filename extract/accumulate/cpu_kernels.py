@@ -14,7 +14,7 @@ Numba compiles on first use (~1 s) and caches the machine code beside numba_rows
 cache where that is read-only; where no cache can be written or read, it compiles for the process
 alone); `warm()` starts that in the background when an extract begins, so the forward loop does not
 wait for it.  Without Numba, with NUMBA_DISABLE_JIT, or where it fails its check on a known input,
-`available()` is False and the eager path runs (recorded with the run, with a warning).
+`kernel()` is None and the eager path runs (recorded with the run, with a warning).
 """
 
 from __future__ import annotations
@@ -84,10 +84,6 @@ def error() -> str | None:
 def uncached() -> str | None:
     """Why the kernel was compiled for this process alone (its cache could not be written or read), or None."""
     return _state.get("uncached")
-
-
-def available() -> bool:
-    return kernel() is not None
 
 
 def warm() -> threading.Thread | None:

@@ -38,7 +38,7 @@ from common.errors import UserError
 
 from . import cpu_kernels, fused as fused_kernels
 from .kernels import change_norms, change_sums, compiled_layer_step, reused, run_compiled, unit_means, window_sums
-from .chunk_sums import ChunkBuffers, chunk_sums
+from .chunk_sums import chunk_sums
 from .crew import Task
 from .by_type import EmbeddingRows
 from .moments import Moments
@@ -87,7 +87,7 @@ class TokenSums:
         self.change_cos = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
         self.change_angle = torch.zeros(n_layers, dtype=torch.float64, device=self.device)
         self._prev = None  # (layer, its rows, their 1/‖h‖) of the batch's last layer added (`_prev_rows`)
-        self._chunk_bufs = ChunkBuffers()  # the eager CPU path's float64 chunk buffers
+        self._chunk_bufs = [None, None]  # the eager CPU path's float64 chunk buffers (`chunk_sums`)
         self._rows_kernel = None  # the compiled token sums (`_compiled_rows`)
         self._row_bufs = [None, None]  # the CPU path's gathered rows, layers alternating (`_gather`)
         self._batch = None
@@ -476,7 +476,7 @@ class TokenSums:
         the rows kept for the next layer, the counts, the window statistics.  Returns the rows (zeroed where
         not ok), ok (M,), the window sums Σh (B, d) and counts (B,), and the per-window measures' row
         terms (or None)."""
-        win, n_win, _, _ = self._windows
+        win, n_win, _, n_w = self._windows
         prev = self._prev_rows(layer, self._batch[0])
         if self._compiled_rows(h):
             m, u, u2, inv, ok, finite, change, terms = cpu_kernels.layer_sums(self._rows_kernel, h, index, win, n_win,
@@ -486,7 +486,7 @@ class TokenSums:
                                                else self.extra.worker is None)
             m, u, u2, inv, ok, finite, change, terms = chunk_sums(h, index, win, n_win, self.sums[layer], prev,
                                                                   self.CHUNK, self._chunk_bufs, fuse)
-        counts, n_w = self._ones, self._windows[3]
+        counts = self._ones
         if finite is not None:  # rows left out: counted, zeroed
             counts, n_w = self._exclude(layer, finite, ok, win, n_win)
             h = h.masked_fill(~ok.unsqueeze(1), 0)
